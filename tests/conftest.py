@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny random Llama and Qwen3 models on disk, loaded through the real code path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.models import make_tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """Path of a 2-layer Llama (hidden 64, tied embeddings) with the SmolLM2 tokenizer."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """Path of a 2-layer Qwen3 (hidden 64, q/k norms, untied unembedding) with the SmolLM2 tokenizer."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "qwen3"))
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny_model(request, tiny_llama, tiny_qwen3) -> str:
+    """Each tiny model in turn."""
+    return tiny_llama if request.param == "llama" else tiny_qwen3

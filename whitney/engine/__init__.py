@@ -1,0 +1,26 @@
+"""Whitney's engine: tensors only (torch + transformers), no HTTP, no database.
+
+Public API:
+  Engine                 base models and runs; forward, forward_backward, run_batch, optim_step,
+                         compute_logprobs, save_weights_for_sampler, save_state, load_state,
+                         export_lora, save_weights
+  Datum, TensorInput     one sequence and its named per-token tensors (plain lists)
+  ForwardRequest         one run's forward/forward_backward call inside a mixed batch
+  ForwardResult          loss (summed), metrics, per-datum log-probs and per-token loss
+  LoraConfig, AdamParams run and optimizer hyperparameters
+  LOSS_NAMES             cross_entropy, importance_sampling, ppo, cispo, dro, opsd
+
+Shape legend used throughout: B rows (datums) of a batch, T padded positions, N tokens of a datum,
+K soft-target candidates per position, M teacher-stream tokens (opsd), D hidden size, V vocabulary,
+r LoRA rank. Losses are summed over tokens, never averaged (opsd: summed over rows of per-row means).
+"""
+
+from whitney.engine.datum import Datum, TensorInput
+from whitney.engine.lora import LoraConfig
+from whitney.engine.losses import LOSS_NAMES
+from whitney.engine.model import DEFAULT_MODEL
+from whitney.engine.optim import AdamParams
+from whitney.engine.runs import DatumOutput, Engine, ForwardRequest, ForwardResult
+
+__all__ = ["AdamParams", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "ForwardRequest", "ForwardResult",
+           "LOSS_NAMES", "LoraConfig", "TensorInput"]

@@ -1,0 +1,187 @@
+"""Checkpoints and exports, all written atomically: a temporary directory, fsync, rename.
+
+A state checkpoint is a directory:
+  whitney_state.json    format version, base model, LoRA config, optimizer step, sha256 of each file
+  adapter.safetensors   `{module}.lora_A` [r, in] and `{module}.lora_B` [out, r]
+  optimizer.safetensors `exp_avg.{weight}` and `exp_avg_sq.{weight}` (only with the optimizer)
+Checksums are verified on load. Exports are a PEFT adapter directory or a merged Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from whitney.engine.lora import Adapter, LoraConfig, load_adapter_weights
+from whitney.engine.model import UNEMBED, BaseModel, LAYER_PROJECTIONS
+from whitney.engine.optim import OptimizerState
+from whitney.errors import Conflict, InvalidInput, NotFound
+
+FORMAT_VERSION = 1
+MANIFEST = "whitney_state.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_dir(path: str | Path):
+    """Yield a temporary directory beside `path`; on success fsync it and rename it to `path`."""
+    target = Path(path)
+    if target.exists():
+        raise Conflict(f"{target} already exists", field="path")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync(f)
+        _fsync(tmp)
+        os.rename(tmp, target)
+        _fsync(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_state(path: str | Path, adapter: Adapter, optimizer: OptimizerState | None, base_model: str) -> dict:
+    """Write adapter weights (and optimizer moments and step) with a manifest; return the manifest."""
+    with atomic_dir(path) as tmp:
+        save_file({k: v.detach().contiguous() for k, v in adapter.named_parameters()}, tmp / "adapter.safetensors")
+        files = ["adapter.safetensors"]
+        if optimizer is not None:
+            tensors = {f"exp_avg.{k}": v for k, v in optimizer.exp_avg.items()}
+            tensors |= {f"exp_avg_sq.{k}": v for k, v in optimizer.exp_avg_sq.items()}
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
+            files.append("optimizer.safetensors")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "base_model": base_model,
+            "lora": adapter.config.to_dict(),
+            "has_optimizer": optimizer is not None,
+            "optimizer_step": optimizer.step if optimizer is not None else None,
+            "sha256": {f: _sha256(tmp / f) for f in files},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a state checkpoint, after checking its format version."""
+    file = Path(path) / MANIFEST
+    if not file.exists():
+        raise NotFound(f"no checkpoint at {path}", field="path")
+    manifest = json.loads(file.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise InvalidInput(f"checkpoint format {manifest.get('format_version')} is not supported "
+                           f"(this server reads {FORMAT_VERSION})", field="path")
+    return manifest
+
+
+def _verified(path: Path, name: str, manifest: dict) -> dict[str, torch.Tensor]:
+    file = path / name
+    if _sha256(file) != manifest["sha256"][name]:
+        raise InvalidInput(f"checkpoint file {file} fails its checksum: the checkpoint is corrupt", field="path")
+    return load_file(file)
+
+
+def load_into(path: str | Path, adapter: Adapter, optimizer: OptimizerState | None,
+              base_model: str) -> OptimizerState | None:
+    """Load a checkpoint into an existing adapter (and a fresh OptimizerState if one is given).
+
+    Refuses a different base model or LoRA geometry (rank, alpha, modules) before changing anything.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest["base_model"] != base_model:
+        raise InvalidInput(f"checkpoint was saved on base model {manifest['base_model']!r}, this run uses "
+                           f"{base_model!r}", field="path")
+    saved = LoraConfig.from_dict(manifest["lora"])
+    if (saved.rank, saved.alpha) != (adapter.config.rank, adapter.config.alpha):
+        raise InvalidInput(f"checkpoint LoRA rank/alpha {saved.rank}/{saved.alpha} differ from the run's "
+                           f"{adapter.config.rank}/{adapter.config.alpha}", field="path")
+    if optimizer is not None and not manifest["has_optimizer"]:
+        raise InvalidInput("checkpoint has no optimizer state; use load_state (weights only)", field="path")
+    weights = _verified(path, "adapter.safetensors", manifest)
+    moments = _verified(path, "optimizer.safetensors", manifest) if optimizer is not None else None
+    load_adapter_weights(adapter, weights)  # checks module names and shapes before writing
+    if optimizer is not None:
+        optimizer.step = int(manifest["optimizer_step"])
+        optimizer.exp_avg = {k[len("exp_avg."):]: v for k, v in moments.items() if k.startswith("exp_avg.")}
+        optimizer.exp_avg_sq = {k[len("exp_avg_sq."):]: v for k, v in moments.items() if k.startswith("exp_avg_sq.")}
+    return optimizer
+
+
+def _short_names(adapter: Adapter) -> list[str]:
+    names = {name.rsplit(".", 1)[-1] for name in adapter.A}
+    return [n for n in (*LAYER_PROJECTIONS, UNEMBED) if n in names]
+
+
+def export_peft(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
+    """A PEFT LoRA adapter directory that peft.PeftModel.from_pretrained loads onto the base model."""
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base.name,
+        "r": adapter.config.rank,
+        "lora_alpha": adapter.config.alpha,
+        "target_modules": _short_names(adapter),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    tensors = {}
+    for name in adapter.A:
+        tensors[f"base_model.model.{name}.lora_A.weight"] = adapter.A[name].detach().contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = adapter.B[name].detach().contiguous()
+    with atomic_dir(path) as tmp:
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def export_merged(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
+    """A standalone Hugging Face model directory with W + scale * B @ A merged into each adapted weight.
+
+    An adapted unembedding of a model with tied embeddings is untied, so the input embedding stays the base's.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        if UNEMBED in adapter.A and model.config.tie_word_embeddings:
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        for name in adapter.A:
+            weight = modules[name].weight
+            weight += adapter.scale * (adapter.B[name].detach() @ adapter.A[name].detach())
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp)
+        base.tokenizer.save_pretrained(tmp)

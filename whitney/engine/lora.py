@@ -1,0 +1,173 @@
+"""Per-run LoRA adapters over one shared frozen base, applied to row groups of a mixed batch.
+
+An adapter is plain data: A [r, in] and B [out, r] per adapted module, keyed by the module's
+Hugging Face path. Which rows of a batch use which adapter is data too (`RowGroups`), never a
+"current adapter" attribute on the model, so runs sharing the base cannot see each other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, asdict, field
+
+import torch
+
+from whitney.engine.model import (
+    ATTN_PROJECTIONS, MLP_PROJECTIONS, LAYER_PROJECTIONS, UNEMBED, BaseModel, module_path,
+)
+from whitney.errors import InvalidInput, check
+
+DEFAULT_MAX_RANK = 128
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """What a run adapts and how. `target_modules`, when given, replaces the train_* flags."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    target_modules: tuple[str, ...] | None = None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["target_modules"] = list(self.target_modules) if self.target_modules is not None else None
+        return out
+
+    @staticmethod
+    def from_dict(d: dict) -> "LoraConfig":
+        d = dict(d)
+        if d.get("target_modules") is not None:
+            d["target_modules"] = tuple(d["target_modules"])
+        return LoraConfig(**d)
+
+
+@dataclass
+class Adapter:
+    """One run's LoRA weights. A[name] is [r, in], B[name] is [out, r]; delta W = scale * B @ A."""
+
+    config: LoraConfig
+    A: dict[str, torch.Tensor]
+    B: dict[str, torch.Tensor]
+    scale: float = field(init=False)
+
+    def __post_init__(self):
+        self.scale = self.config.alpha / self.config.rank
+
+    def names(self) -> list[str]:
+        return list(self.A)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Every trainable tensor, in a fixed order: A then B of each module."""
+        return [t for name in self.A for t in (self.A[name], self.B[name])]
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{name}.lora_{ab}", t) for name in self.A for ab, t in (("A", self.A[name]), ("B", self.B[name]))]
+
+
+def adaptable_short_names(base: BaseModel) -> list[str]:
+    """Short module names a run may list in target_modules, checked against the model's real modules."""
+    present = [p for p in LAYER_PROJECTIONS if module_path(0, p) in base.linear_shapes]
+    if UNEMBED in base.linear_shapes:
+        present.append(UNEMBED)
+    return present
+
+
+def target_module_paths(base: BaseModel, config: LoraConfig) -> list[str]:
+    """Full module paths to adapt, after validating the config against the base model."""
+    valid = adaptable_short_names(base)
+    if config.target_modules is not None:
+        check(len(config.target_modules) > 0, "target_modules must name at least one module", field="target_modules")
+        for name in config.target_modules:
+            check(name in valid, f"unknown module {name!r}; this model's adaptable modules are {valid}",
+                  field="target_modules")
+        short = [n for n in valid if n in config.target_modules]
+    else:
+        short = [n for n in valid if (config.train_attn and n in ATTN_PROJECTIONS)
+                 or (config.train_mlp and n in MLP_PROJECTIONS) or (config.train_unembed and n == UNEMBED)]
+        check(len(short) > 0, "train_attn, train_mlp and train_unembed are all false: nothing to train",
+              field="train_attn")
+    paths = [module_path(i, p) for i in range(base.config.num_layers) for p in short if p != UNEMBED]
+    if UNEMBED in short:
+        paths.append(UNEMBED)
+    return paths
+
+
+def validate_lora_config(config: LoraConfig, base: BaseModel, max_rank: int = DEFAULT_MAX_RANK) -> list[str]:
+    """Check every field; return the module paths to adapt."""
+    check(isinstance(config.rank, int) and 1 <= config.rank <= max_rank,
+          f"rank must be an integer from 1 to {max_rank}, got {config.rank!r}", field="rank")
+    check(isinstance(config.alpha, (int, float)) and math.isfinite(config.alpha) and config.alpha > 0,
+          f"alpha must be a positive finite number, got {config.alpha!r}", field="alpha")
+    check(isinstance(config.seed, int) and 0 <= config.seed < 2**63,
+          f"seed must be a non-negative integer below 2**63, got {config.seed!r}", field="seed")
+    return target_module_paths(base, config)
+
+
+def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MAX_RANK) -> Adapter:
+    """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) from `config.seed` (PEFT's kaiming default), B = 0.
+
+    B = 0 makes a new run compute exactly the base model. The same seed gives the same A.
+    """
+    paths = validate_lora_config(config, base, max_rank)
+    gen = torch.Generator().manual_seed(config.seed)
+    A, B = {}, {}
+    for path in paths:
+        fan_in, fan_out = base.linear_shapes[path]
+        bound = 1.0 / math.sqrt(fan_in)
+        a = torch.empty(config.rank, fan_in).uniform_(-bound, bound, generator=gen)
+        A[path] = a.requires_grad_(True)
+        B[path] = torch.zeros(fan_out, config.rank).requires_grad_(True)
+    return Adapter(config, A, B)
+
+
+def copy_adapter(adapter: Adapter, trainable: bool = False) -> Adapter:
+    """A detached copy (sampler versions, exports): later training never changes it."""
+    A = {k: v.detach().clone().requires_grad_(trainable) for k, v in adapter.A.items()}
+    B = {k: v.detach().clone().requires_grad_(trainable) for k, v in adapter.B.items()}
+    return Adapter(adapter.config, A, B)
+
+
+def load_adapter_weights(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite an adapter's weights in place from `{path}.lora_A` / `{path}.lora_B` tensors."""
+    expected = dict(adapter.named_parameters())
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(expected))[:3]
+        raise InvalidInput(f"checkpoint LoRA modules differ from the run's (missing {missing}, unexpected {extra})",
+                           field="path")
+    for key, t in expected.items():
+        if tuple(tensors[key].shape) != tuple(t.shape):
+            raise InvalidInput(f"checkpoint tensor {key} has shape {list(tensors[key].shape)}, the run expects "
+                               f"{list(t.shape)}", field="path")
+    with torch.no_grad():
+        for key, t in expected.items():
+            t.copy_(tensors[key])
+
+
+@dataclass
+class RowGroups:
+    """Rows [start, end) of a batch use adapters[i] (None = base model only). Groups are contiguous."""
+
+    bounds: list[tuple[int, int, Adapter | None]]
+
+    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + scale * (x @ A^T) @ B^T for each group's rows. x [R, ..., in], y [R, ..., out]."""
+        for start, end, adapter in self.bounds:
+            if adapter is None or name not in adapter.A:
+                continue
+            a = adapter.A[name].to(x.dtype)  # [r, in]
+            b = adapter.B[name].to(x.dtype)  # [out, r]
+            # y is a fresh matmul output that no backward saved, so adding in place is safe.
+            y[start:end] += (x[start:end] @ a.T) @ b.T * adapter.scale
+        return y
+
+    def rows(self, counts: list[int]) -> "RowGroups":
+        """The same groups after each row r is expanded to counts[r] rows (e.g. sequences -> tokens)."""
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        return RowGroups([(starts[s], starts[e], a) for s, e, a in self.bounds])

