@@ -150,23 +150,28 @@ def load_adapter_weights(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> 
 
 @dataclass
 class RowGroups:
-    """Rows [start, end) of a batch use adapters[i] (None = base model only). Groups are contiguous."""
+    """Which rows of a batch use which adapter (None = base model only).
 
-    bounds: list[tuple[int, int, Adapter | None]]
+    Each entry is (start, end, adapter) for contiguous rows [start, end) (training batches, sorted by
+    adapter), or (index [R_i], adapter) for scattered rows (the decode batch, where rows join and leave).
+    """
+
+    bounds: list[tuple]
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + scale * (x @ A^T) @ B^T for each group's rows. x [R, ..., in], y [R, ..., out]."""
-        for start, end, adapter in self.bounds:
+        for *rows, adapter in self.bounds:
             if adapter is None or name not in adapter.A:
                 continue
+            sel = slice(rows[0], rows[1]) if len(rows) == 2 else rows[0]
             a = adapter.A[name].to(x.dtype)  # [r, in]
             b = adapter.B[name].to(x.dtype)  # [out, r]
             # y is a fresh matmul output that no backward saved, so adding in place is safe.
-            y[start:end] += (x[start:end] @ a.T) @ b.T * adapter.scale
+            y[sel] += (x[sel] @ a.T) @ b.T * adapter.scale
         return y
 
     def rows(self, counts: list[int]) -> "RowGroups":
-        """The same groups after each row r is expanded to counts[r] rows (e.g. sequences -> tokens)."""
+        """The same contiguous groups after each row r is expanded to counts[r] rows (sequences -> tokens)."""
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)

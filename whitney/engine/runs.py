@@ -23,6 +23,7 @@ from whitney.engine.lora import DEFAULT_MAX_RANK, Adapter, LoraConfig, RowGroups
 from whitney.engine.losses import LossOutput, loss_spec
 from whitney.engine.model import DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, target_logprobs
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step
+from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
 from whitney.engine.transformer import forward_hidden, unembed
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
 
@@ -85,11 +86,15 @@ class Engine:
     Not thread-safe: the service drives it from one worker thread.
     """
 
-    def __init__(self, max_lora_rank: int = DEFAULT_MAX_RANK, compute_dtype: torch.dtype = torch.float32):
+    def __init__(self, max_lora_rank: int = DEFAULT_MAX_RANK, compute_dtype: torch.dtype = torch.float32,
+                 max_sequences: int = 256, max_cached_tokens: int = 262_144):
         self.max_lora_rank = max_lora_rank
         self.compute_dtype = compute_dtype
+        self.max_sequences = max_sequences  # sampling: concurrent sequences per base model
+        self.max_cached_tokens = max_cached_tokens  # sampling: KV-cache tokens per base model
         self.models: dict[str, BaseModel] = {}
         self.runs: dict[str, Run] = {}
+        self.samplers: dict[str, Sampler] = {}
         self._checkpoint_adapters: dict[str, Adapter] = {}
 
     # ---- models and runs -------------------------------------------------------------------
@@ -150,7 +155,8 @@ class Engine:
             except WhitneyError as e:
                 out[i] = e
                 continue
-            by_base.setdefault((prepared.run.base if prepared.run else self.load_model(request.base_model)).name,
+            by_base.setdefault((prepared.run.base if prepared.run
+                                else self.load_model(request.base_model or DEFAULT_MODEL)).name,
                                []).append((i, prepared))
         for name, items in by_base.items():
             # Rows of one adapter stay contiguous: one LoRA matmul per adapter per projection.
@@ -175,10 +181,12 @@ class Engine:
             raise InvalidInput("data must be a non-empty list of datums", field="data")
         datums = [prepare_datum(d, i, spec.inputs, set(spec.required), base.config.vocab_size,
                                 base.config.max_context) for i, d in enumerate(request.data)]
-        shapes = {tuple(d.inputs["target_tokens"].shape[1:]) for d in datums}
-        if len(shapes) > 1:
-            raise InvalidInput(f"target_tokens must be all [N] or all [N, K] with one K in a request; got "
-                               f"trailing shapes {sorted(shapes)}", field="target_tokens")
+        shapes = [tuple(d.inputs["target_tokens"].shape[1:]) for d in datums]
+        for i, s in enumerate(shapes):
+            if s != shapes[0]:
+                raise InvalidInput(f"datum {i}: target_tokens must be all [N] or all [N, K] with one K in a "
+                                   f"request; datum 0 has trailing shape {list(shapes[0])}, datum {i} has "
+                                   f"{list(s)}", field="target_tokens", datum_index=i)
         prepared = _Prepared(request, adapter, run, datums, config)
         if request.loss_fn == "opsd":
             prepared.opsd_pairs = [opsd.validate_row(d, i, config) for i, d in enumerate(datums)]
@@ -315,6 +323,32 @@ class Engine:
             adapter = self._checkpoint_adapters[checkpoint_path]
             return adapter, self.load_model(ckpt.read_manifest(checkpoint_path)["base_model"])
         return None, self.load_model(base_model or DEFAULT_MODEL)
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    def submit_sample(self, prompt: list[int], params: SamplingParams, *, run_id: str | None = None,
+                      version: int | None = None, checkpoint_path: str | None = None,
+                      base_model: str | None = None) -> SampleRequest:
+        """Queue a sampling request on the chosen weights; `sample_step` advances it. Never sees newer weights."""
+        adapter, base = self.resolve_weights(run_id=run_id, version=version, checkpoint_path=checkpoint_path,
+                                             base_model=base_model)
+        if base.name not in self.samplers:
+            self.samplers[base.name] = Sampler(base, self.max_sequences, self.max_cached_tokens)
+        return self.samplers[base.name].submit(prompt, params, adapter)
+
+    def sample_step(self) -> bool:
+        """One admit + decode step on every base model with sampling work; False when all are idle."""
+        busy = [s for s in self.samplers.values() if not s.idle]
+        for sampler in busy:
+            sampler.step()
+        return bool(busy)
+
+    def sample(self, prompt: list[int], params: SamplingParams | None = None, **weights) -> SampleResult:
+        """Submit one request and step until it is done (other queued requests advance too)."""
+        request = self.submit_sample(prompt, params or SamplingParams(), **weights)
+        while not request.done:
+            self.sample_step()
+        return request.result
 
     # ---- snapshots, checkpoints and exports ----------------------------------------------
 

@@ -8,6 +8,9 @@ Shape legend: B rows, T positions, D hidden, H query heads, G key/value heads, E
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -43,20 +46,21 @@ def _paths(base: BaseModel) -> list[dict[str, str]]:
     return [{p: module_path(i, p) for p in LAYER_PROJECTIONS} for i in range(base.config.num_layers)]
 
 
-def forward_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Final-norm hidden states [B, T, D] for right-padded tokens [B, T].
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-    Attention is causal, so right padding never reaches a real position: no padding mask is needed.
+
+def _decoder(base: BaseModel, tokens: torch.Tensor, groups, cos: torch.Tensor, sin: torch.Tensor,
+             attend: Attend) -> torch.Tensor:
+    """Embed tokens [B, T], run every layer, final norm -> [B, T, D].
+
+    `attend(layer, q [B, H, T, E], k [B, G, T, E], v [B, G, T, E])` -> [B, H, T, E] is the one part
+    that differs between a full causal pass and a cached decode step.
     """
     cfg = base.config
     B, T = tokens.shape
     dt = base.compute_dtype
-    if positions is None:
-        positions = torch.arange(T)[None].expand(B, T)
-    cos, sin = rope_tables(base, positions, dt)
     h = base.embed[tokens].to(dt)  # [B, T, D]
-    for lw, paths in zip(base.layers, _paths(base)):
+    for layer, (lw, paths) in enumerate(zip(base.layers, _paths(base))):
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, lw.linear[name].to(dt), lw.bias[name].to(dt) if name in lw.bias else None)
@@ -71,13 +75,103 @@ def forward_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups,
             k = rms_norm(k, lw.k_norm, cfg.rms_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|G, T, E]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
-                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [B, H, T, E]
-        attn = attn.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
+        attn = attend(layer, q, k, v).transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
         h = h + proj("o_proj", attn)
         x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
         h = h + proj("down_proj", F.silu(proj("gate_proj", x)) * proj("up_proj", x))
     return rms_norm(h, base.final_norm, cfg.rms_eps)
+
+
+def forward_hidden(base: BaseModel, tokens: torch.Tensor, groups,
+                   kv_out: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """Final-norm hidden states [B, T, D] for right-padded tokens [B, T].
+
+    Attention is causal, so right padding never reaches a real position: no padding mask is needed.
+    With `kv_out`, each layer's keys and values [B, G, T, E] (after RoPE) are appended to it (prefill).
+    """
+    cfg = base.config
+    B, T = tokens.shape
+    cos, sin = rope_tables(base, torch.arange(T)[None].expand(B, T), base.compute_dtype)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if kv_out is not None:
+            kv_out.append((k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
+                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+
+    return _decoder(base, tokens, groups, cos, sin, attend)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the active sequences: k[l], v[l] [B, G, S, E] per layer, row b valid up to
+    lengths[b] (each row left-aligned at position 0). S is a capacity that grows by doubling."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    lengths: torch.Tensor  # [B] int64
+
+    @staticmethod
+    def empty(base: BaseModel, capacity: int = 64) -> "KVCache":
+        cfg = base.config
+        shape = (0, cfg.num_kv_heads, capacity, cfg.head_dim)
+        k = [torch.zeros(shape, dtype=base.compute_dtype) for _ in range(cfg.num_layers)]
+        return KVCache(k, [t.clone() for t in k], torch.zeros(0, dtype=torch.int64))
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def grow(self, needed: int) -> None:
+        """Make the capacity S at least `needed` (doubling), keeping the contents."""
+        cap = self.k[0].shape[2]
+        if needed <= cap:
+            return
+        while cap < needed:
+            cap *= 2
+        self.k = [F.pad(t, (0, 0, 0, cap - t.shape[2])) for t in self.k]  # [B, G, cap, E]
+        self.v = [F.pad(t, (0, 0, 0, cap - t.shape[2])) for t in self.v]
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor) -> None:
+        """Add rows from a prefill: kv per layer [R, G, T, E], row r valid up to lengths[r]."""
+        self.grow(int(kv[0][0].shape[2]))
+        cap = self.k[0].shape[2]
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer] = torch.cat([self.k[layer], F.pad(k, (0, 0, 0, cap - k.shape[2])).to(self.k[layer].dtype)])
+            self.v[layer] = torch.cat([self.v[layer], F.pad(v, (0, 0, 0, cap - v.shape[2])).to(self.v[layer].dtype)])
+        self.lengths = torch.cat([self.lengths, lengths])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (finished sequences leave the batch)."""
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+        self.lengths = self.lengths[rows]
+
+
+def decode_hidden(base: BaseModel, tokens: torch.Tensor, groups, cache: KVCache) -> torch.Tensor:
+    """One decode step: hidden [B, D] for the next token [B] of each cached row; extends the cache by one."""
+    cfg = base.config
+    pos = cache.lengths  # [B] position of the new token in each row
+    S = int(pos.max()) + 1
+    cache.grow(S)
+    rows = torch.arange(tokens.shape[0])
+    cos, sin = rope_tables(base, pos[:, None], base.compute_dtype)  # [B, 1, 1, E]
+    mask = (torch.arange(S)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, S]
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.k[layer][rows, :, pos] = k[:, :, 0]
+        cache.v[layer][rows, :, pos] = v[:, :, 0]
+        return F.scaled_dot_product_attention(q, cache.k[layer][:, :, :S], cache.v[layer][:, :, :S],
+                                              attn_mask=mask, scale=cfg.head_dim ** -0.5,
+                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+
+    hidden = _decoder(base, tokens[:, None], groups, cos, sin, attend)  # [B, 1, D]
+    cache.lengths = pos + 1
+    return hidden[:, 0]
 
 
 def unembed(base: BaseModel, hidden: torch.Tensor, groups: RowGroups) -> torch.Tensor:

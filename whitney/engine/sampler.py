@@ -1,0 +1,299 @@
+"""Sampling: continuous batching over a KV cache, per-request seeds, mixed adapters in one batch.
+
+`Sampler` (one per base model) holds a queue and a running batch. `step()` admits queued requests
+that fit the memory limits (prefilling each prompt once and copying its cache into `num_samples`
+rows), then runs one decode step for every running row; a finished sequence leaves at once. The
+caller decides when to step, so training and sampling interleave at decode-step granularity.
+
+Log-probs: each generated token's log-prob is log_softmax(logits) of the model at temperature 1,
+whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
+training `forward` give for that token, which is what an importance ratio against the learner needs.
+
+Shape legend: B running rows, P prompt length, V vocabulary, E head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from whitney.engine.lora import Adapter, RowGroups
+from whitney.engine.model import BaseModel, full_logprobs
+from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, unembed
+from whitney.errors import InvalidInput, check
+
+MAX_TOPK_PROMPT_LOGPROBS = 100
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None  # None = a fresh random seed
+    stop: tuple | None = None  # strings, token ids or token-id sequences; None = EOS; () = nothing
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]  # [len(tokens)] log-prob of each generated token at temperature 1
+    stop_reason: str  # "stop" | "length"
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None  # [P], first None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # [P] of k (token, logprob)
+
+
+@dataclass
+class SampleRequest:
+    """A validated request and its progress. `adapter` None samples the base model."""
+
+    prompt: list[int]
+    params: SamplingParams
+    adapter: Adapter | None
+    stop_ids: set[int] = field(default_factory=set)
+    stop_seqs: list[list[int]] = field(default_factory=list)
+    stop_strs: list[str] = field(default_factory=list)
+    result: SampleResult | None = None
+    pending: int = 0  # rows still running
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None and self.pending == 0
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.params.num_samples * (len(self.prompt) + self.params.max_tokens)
+
+
+@dataclass
+class _Row:
+    request: SampleRequest
+    index: int  # which of the request's samples
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def validate(prompt: list[int], params: SamplingParams, base: BaseModel, max_samples: int) -> None:
+    """Check a request against the model; each rule names its parameter."""
+    vocab, context = base.config.vocab_size, base.config.max_context
+    check(isinstance(prompt, list) and len(prompt) > 0, "prompt must be a non-empty list of token ids",
+          field="prompt")
+    check(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt),
+          f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+    check(isinstance(params.max_tokens, int) and params.max_tokens >= 1,
+          f"max_tokens must be a positive integer, got {params.max_tokens!r}", field="max_tokens")
+    check(len(prompt) + params.max_tokens <= context, f"prompt ({len(prompt)} tokens) plus max_tokens "
+          f"({params.max_tokens}) exceeds the model's context of {context}", field="max_tokens")
+    t = params.temperature
+    check(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+          f"temperature must be finite and >= 0, got {t!r}", field="temperature")
+    check(isinstance(params.top_k, int) and params.top_k >= -1, f"top_k must be -1, 0 or positive, got "
+          f"{params.top_k!r}", field="top_k")
+    p = params.top_p
+    check(isinstance(p, (int, float)) and math.isfinite(p) and 0 < p <= 1, f"top_p must be in (0, 1], got {p!r}",
+          field="top_p")
+    check(isinstance(params.num_samples, int) and 1 <= params.num_samples <= max_samples,
+          f"num_samples must be from 1 to {max_samples}, got {params.num_samples!r}", field="num_samples")
+    check(params.seed is None or (isinstance(params.seed, int) and 0 <= params.seed < 2**63),
+          f"seed must be a non-negative integer below 2**63, got {params.seed!r}", field="seed")
+    k = params.topk_prompt_logprobs
+    check(isinstance(k, int) and 0 <= k <= MAX_TOPK_PROMPT_LOGPROBS,
+          f"topk_prompt_logprobs must be from 0 to {MAX_TOPK_PROMPT_LOGPROBS}, got {k!r}", field="topk_prompt_logprobs")
+    for s in params.stop or ():
+        ok = (isinstance(s, str) and s != "") or (isinstance(s, int) and 0 <= s < vocab) or (
+            isinstance(s, (list, tuple)) and len(s) > 0 and all(isinstance(x, int) and 0 <= x < vocab for x in s))
+        check(ok, f"each stop must be a non-empty string, a token id in [0, {vocab}) or a non-empty list of them, "
+              f"got {s!r}", field="stop")
+
+
+def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of each row from logits [B, V] with that row's own settings and generator.
+
+    Returns tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1).
+    """
+    logprobs = full_logprobs(logits)  # [B, V]
+    chosen = torch.empty(len(rows), dtype=torch.int64)
+    for b, row in enumerate(rows):
+        p = row.request.params
+        if p.temperature == 0 or p.top_k == 1:
+            chosen[b] = int(torch.argmax(logits[b]))
+            continue
+        scores = logits[b].float() / p.temperature  # [V]
+        if p.top_k > 1:
+            kth = torch.topk(scores, min(p.top_k, scores.shape[0])).values[-1]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        probs = torch.softmax(scores, dim=-1)
+        if p.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
+            probs = probs.scatter(0, order[drop], 0.0)
+        chosen[b] = int(torch.multinomial(probs, 1, generator=row.generator))
+    return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
+
+
+class Sampler:
+    """The running batch and the queue of one base model. Drive it with `step()` until idle."""
+
+    def __init__(self, base: BaseModel, max_sequences: int = 256, max_cached_tokens: int = 262_144):
+        self.base = base
+        self.max_sequences = max_sequences
+        self.max_cached_tokens = max_cached_tokens
+        self.queue: list[SampleRequest] = []
+        self.rows: list[_Row] = []
+        self.cache = KVCache.empty(base)
+        self._pending_tokens = torch.zeros(0, dtype=torch.int64)  # [B] last sampled token, not yet cached
+
+    def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> SampleRequest:
+        """Validate and queue a request; it runs on the next steps. Excess requests wait, never fail."""
+        validate(prompt, params, self.base, self.max_sequences)
+        stop = params.stop
+        request = SampleRequest(list(prompt), params, adapter)
+        if stop is None:
+            request.stop_ids = set(self.base.eos_token_ids)
+        else:
+            for s in stop:
+                if isinstance(s, str):
+                    request.stop_strs.append(s)
+                elif isinstance(s, int):
+                    request.stop_ids.add(s)
+                else:
+                    request.stop_seqs.append(list(s))
+        check(request.reserved_tokens <= self.max_cached_tokens, f"num_samples x (prompt + max_tokens) = "
+              f"{request.reserved_tokens} tokens exceeds this server's cache of {self.max_cached_tokens}",
+              field="max_tokens")
+        self.queue.append(request)
+        return request
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.rows
+
+    def step(self) -> None:
+        """Admit what fits, then one decode step for every running row."""
+        with torch.no_grad():
+            self._admit()
+            if self.rows:
+                self._decode()
+
+    def _reserved(self) -> int:
+        return sum(len(r.request.prompt) + r.request.params.max_tokens for r in self.rows)
+
+    def _admit(self) -> None:
+        admitted, rows, tokens = [], len(self.rows), self._reserved()
+        while self.queue:
+            req = self.queue[0]
+            if rows + req.params.num_samples > self.max_sequences or tokens + req.reserved_tokens > self.max_cached_tokens:
+                break
+            admitted.append(self.queue.pop(0))
+            rows, tokens = rows + req.params.num_samples, tokens + req.reserved_tokens
+        if admitted:
+            self._prefill(admitted)
+
+    def _prefill(self, requests: list[SampleRequest]) -> None:
+        """Run each prompt once; copy its cache into num_samples rows; sample each row's first token."""
+        P = max(len(r.prompt) for r in requests)
+        tokens = torch.zeros(len(requests), P, dtype=torch.int64)
+        for i, r in enumerate(requests):
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hidden = forward_hidden(self.base, tokens, RowGroups([(i, i + 1, r.adapter) for i, r in enumerate(requests)]),
+                                kv_out=kv)  # [R, P, D]
+        new_rows, first_logits, copies = [], [], []
+        for i, r in enumerate(requests):
+            n, p = r.params.num_samples, len(r.prompt)
+            want_all = r.params.prompt_logprobs or r.params.topk_prompt_logprobs > 0
+            h = hidden[i, :p] if want_all else hidden[i, p - 1:p]
+            logits = unembed(self.base, h, RowGroups([(0, h.shape[0], r.adapter)]))  # [p or 1, V]
+            r.result = SampleResult([None] * n)
+            if want_all:
+                self._prompt_logprobs(r, logits)
+            first_logits.append(logits[-1:].expand(n, -1))
+            seed = r.params.seed if r.params.seed is not None else random.getrandbits(63)
+            for s in range(n):
+                gen = torch.Generator().manual_seed((seed + 0x9E3779B97F4A7C15 * s) % 2**63)
+                new_rows.append(_Row(r, s, gen))
+            copies += [i] * n
+            r.pending = n
+        index = torch.tensor(copies)
+        lengths = torch.tensor([len(requests[i].prompt) for i in copies])
+        self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
+        chosen, lps = next_tokens(torch.cat(first_logits), new_rows)
+        self.rows += new_rows
+        self._pending_tokens = torch.cat([self._pending_tokens, chosen])
+        self._record(len(self.rows) - len(new_rows), chosen, lps)
+
+    def _prompt_logprobs(self, r: SampleRequest, logits: torch.Tensor) -> None:
+        """Prompt log-probs [P] (first None) and, if asked, the top-k alternatives at each position."""
+        lp = full_logprobs(logits[:-1])  # [P-1, V]: position t predicts prompt[t + 1]
+        targets = torch.tensor(r.prompt[1:], dtype=torch.int64)
+        if r.params.prompt_logprobs:
+            r.result.prompt_logprobs = [None] + lp.gather(1, targets[:, None])[:, 0].tolist()
+        k = r.params.topk_prompt_logprobs
+        if k > 0:
+            top = torch.topk(lp, k, dim=-1)
+            r.result.topk_prompt_logprobs = [None] + [
+                list(zip(ids, vals)) for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
+
+    def _decode(self) -> None:
+        groups = _adapter_groups(self.rows)
+        hidden = decode_hidden(self.base, self._pending_tokens, groups, self.cache)  # [B, D]
+        logits = unembed(self.base, hidden, groups)  # [B, V]
+        chosen, lps = next_tokens(logits, self.rows)
+        self._pending_tokens = chosen
+        self._record(0, chosen, lps)
+
+    def _record(self, first: int, chosen: torch.Tensor, lps: torch.Tensor) -> None:
+        """Append the new tokens of rows[first:]; rows that finished leave the batch."""
+        keep = list(range(first))
+        for b, (token, lp) in enumerate(zip(chosen.tolist(), lps.tolist()), start=first):
+            row = self.rows[b]
+            row.tokens.append(token)
+            row.logprobs.append(lp)
+            reason = self._stop_reason(row)
+            if reason is None:
+                keep.append(b)
+                continue
+            # Samples keep their index order whatever order they finish in.
+            row.request.result.sequences[row.index] = SampledSequence(row.tokens, row.logprobs, reason)
+            row.request.pending -= 1
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, dtype=torch.int64)
+            self.rows = [self.rows[i] for i in keep]
+            self.cache.keep(index)
+            self._pending_tokens = self._pending_tokens[index]
+
+    def _stop_reason(self, row: _Row) -> str | None:
+        req, tokens = row.request, row.tokens
+        if tokens[-1] in req.stop_ids or any(tokens[-len(s):] == s for s in req.stop_seqs):
+            return "stop"
+        if req.stop_strs:
+            # Checked after every token, so the first appearance stops, even one ending inside a token.
+            text = self.base.tokenizer.decode(tokens)
+            if any(s in text for s in req.stop_strs):
+                return "stop"
+        if len(tokens) >= req.params.max_tokens:
+            return "length"
+        return None
+
+
+def _adapter_groups(rows: list[_Row]) -> RowGroups:
+    """Decode-batch rows grouped by adapter as index tensors (rows of one adapter need not be adjacent)."""
+    by_adapter: dict[int, tuple[list[int], Adapter]] = {}
+    for b, row in enumerate(rows):
+        if row.request.adapter is not None:
+            by_adapter.setdefault(id(row.request.adapter), ([], row.request.adapter))[0].append(b)
+    return RowGroups([(torch.tensor(idx), adapter) for idx, adapter in by_adapter.values()])
