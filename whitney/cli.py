@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--batch-size", type=int, default=4)
     demo.add_argument("--rank", type=int, default=16)
     demo.add_argument("--learning-rate", type=float, default=1e-3)
+    serve = sub.add_parser("serve", help="start the HTTP server")
+    serve.add_argument("--model", action="append", default=None,
+                       help="base model name or local directory (repeatable; default the embedded SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--data-dir", default=None, help="checkpoints and database (default ~/.local/share/whitney)")
+    serve.add_argument("--db-url", default=None, help="SQLAlchemy URL (default sqlite in the data dir)")
+    serve.add_argument("--api-key", action="append", default=[], help="required bearer key (repeatable)")
+    serve.add_argument("--session-timeout", type=float, default=600.0, help="seconds without heartbeat")
     args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        return serve_main(args)
 
     if args.command == "demo":
         from whitney.demo import run_demo
@@ -26,6 +39,30 @@ def main(argv: list[str] | None = None) -> int:
         losses = run_demo(args.model or DEFAULT_MODEL, args.steps, args.batch_size, args.rank, args.learning_rate)
         return 0 if losses[-1] < losses[0] else 1
     return 2
+
+
+def serve_main(args) -> int:
+    import uvicorn
+
+    from whitney.engine import DEFAULT_MODEL
+    from whitney.service.app import ServiceConfig, create_app
+
+    config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
+                           session_timeout=args.session_timeout)
+    if args.data_dir:
+        config.data_dir = Path(args.data_dir)
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    original = server.startup
+
+    async def startup(sockets=None):
+        await original(sockets)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        print(f"Whitney is serving {', '.join(config.models)} at http://{args.host}:{port}", flush=True)
+
+    server.startup = startup
+    server.run()
+    return 0
 
 
 if __name__ == "__main__":

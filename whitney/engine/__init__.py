@@ -17,10 +17,10 @@ r LoRA rank. Losses are summed over tokens, never averaged (opsd: summed over ro
 
 from whitney.engine.datum import Datum, TensorInput
 from whitney.engine.lora import LoraConfig
-from whitney.engine.losses import LOSS_NAMES
+from whitney.engine.losses import LOSS_CONFIG_KEYS, LOSS_NAMES
 from whitney.engine.model import DEFAULT_MODEL
 from whitney.engine.optim import AdamParams
 from whitney.engine.runs import DatumOutput, Engine, ForwardRequest, ForwardResult
 
 __all__ = ["AdamParams", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "ForwardRequest", "ForwardResult",
-           "LOSS_NAMES", "LoraConfig", "TensorInput"]
+           "LOSS_CONFIG_KEYS", "LOSS_NAMES", "LoraConfig", "TensorInput"]

@@ -20,6 +20,17 @@ from whitney.engine.datum import FieldSpec
 from whitney.errors import InvalidInput, check
 
 
+# Each loss's loss_config keys, as the capabilities route advertises them.
+LOSS_CONFIG_KEYS = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": ("clip_low", "clip_high", "clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("eps_max", "clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
+    "opsd": ("ce_coef", "kl_coef"),
+}
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar, summed over tokens
@@ -102,17 +113,16 @@ def dro(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> Loss
     return LossOutput(loss, per_token.detach(), lp.detach(), _metrics(loss, lp.shape[0]))
 
 
-def _number(config: dict, key: str, default: float | None, rule: Callable[[float], bool], text: str) -> float | None:
-    value = config.get(key, default)
-    if value is None:
-        return None
+def _number(config: dict, key: str, default: float, rule: Callable[[float], bool], text: str) -> float:
+    value = config.get(key, default)  # an explicit null is rejected like any other non-number
     check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and rule(value),
           f"loss_config.{key} must be {text}, got {value!r}", field=f"loss_config.{key}")
     return float(value)
 
 
-def _known(config: dict, keys: set[str], loss: str) -> None:
+def check_config_keys(config: dict, loss: str) -> None:
     check(isinstance(config, dict), "loss_config must be an object", field="loss_config")
+    keys = LOSS_CONFIG_KEYS[loss]
     for key in config:
         check(key in keys, f"loss_config.{key} is not a parameter of {loss}; it takes {sorted(keys) or 'none'}",
               field=f"loss_config.{key}")
@@ -120,7 +130,7 @@ def _known(config: dict, keys: set[str], loss: str) -> None:
 
 def _no_config(name: str) -> Callable[[dict], dict]:
     def parse(config: dict) -> dict:
-        _known(config, set(), name)
+        check_config_keys(config, name)
         return {}
     return parse
 
@@ -140,7 +150,7 @@ def _ratio_bounds(config: dict, loss: str, other_form: tuple[str, ...], default_
 
 
 def _ppo_config(config: dict) -> dict:
-    _known(config, {"clip_low", "clip_high", "clip_low_threshold", "clip_high_threshold"}, "ppo")
+    check_config_keys(config, "ppo")
     bounds = _ratio_bounds(config, "ppo", ("clip_low", "clip_high"), 0.8, 1.2)
     if bounds:
         return bounds
@@ -153,7 +163,7 @@ CISPO_DEFAULT_EPS_MAX = 5.0
 
 
 def _cispo_config(config: dict) -> dict:
-    _known(config, {"eps_max", "clip_low_threshold", "clip_high_threshold"}, "cispo")
+    check_config_keys(config, "cispo")
     bounds = _ratio_bounds(config, "cispo", ("eps_max",), 0.8, 1.2)
     if bounds:
         return bounds
@@ -161,7 +171,7 @@ def _cispo_config(config: dict) -> dict:
 
 
 def _dro_config(config: dict) -> dict:
-    _known(config, {"beta"}, "dro")
+    check_config_keys(config, "dro")
     return {"beta": _number(config, "beta", 0.05, lambda v: v >= 0, ">= 0")}
 
 
@@ -195,3 +205,4 @@ def loss_spec(name: str) -> LossSpec:
 
 
 LOSS_NAMES = (*LOSSES, "opsd")
+

@@ -22,7 +22,7 @@ import math
 import torch
 
 from whitney.engine.datum import FieldSpec, PreparedDatum
-from whitney.engine.losses import LossOutput, LossSpec
+from whitney.engine.losses import LossOutput, LossSpec, check_config_keys
 from whitney.errors import InvalidInput, check
 
 TEACHER = "teacher_token_ids"
@@ -41,11 +41,8 @@ REQUIRED = frozenset(INPUTS) - {"loss_mask"}
 
 def parse_config(config: dict) -> dict:
     """ce_coef (default 1.0) and kl_coef (default 1.0): finite, non-negative, at least one positive."""
-    check(isinstance(config, dict), "loss_config must be an object", field="loss_config")
     out = {}
-    for key in config:
-        check(key in ("ce_coef", "kl_coef"), f"loss_config.{key} is not a parameter of opsd; it takes "
-              "['ce_coef', 'kl_coef']", field=f"loss_config.{key}")
+    check_config_keys(config, "opsd")
     for key in ("ce_coef", "kl_coef"):
         value = config.get(key, 1.0)
         check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -166,6 +166,10 @@ class Engine:
                 out[i] = result
         return out  # type: ignore[return-value]
 
+    def validate(self, request: ForwardRequest, backward: bool) -> int:
+        """Check a request without running it (safe from another thread); return its token count."""
+        return sum(d.length for d in self._prepare(request, backward).datums)
+
     def _prepare(self, request: ForwardRequest, backward: bool) -> _Prepared:
         if request.run_id is None:
             if backward:

@@ -1,0 +1,128 @@
+"""Ordered training operations of a run, and polling any operation to its end."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+
+from whitney.engine import ForwardRequest
+from whitney.errors import Conflict, InvalidInput
+from whitney.service import schemas
+from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.scheduler import build_datums
+from whitney.service.store import TERMINAL, digest
+
+router = APIRouter(prefix="/v1", tags=["operations"])
+MAX_WAIT = 30.0
+
+
+def submit(st: ServiceState, who: str, run_id: str, kind: str, body: schemas.Wire, payload: dict) -> dict:
+    """Record (run, seq_id) in the store (a retry with the same body returns the same operation) and queue it."""
+    active_run(st, who, run_id, body.seq_id)
+    op, created = st.store.submit_operation(who, run_id, body.seq_id, kind,
+                                            digest({"kind": kind, **body.model_dump()}))
+    if created:
+        st.scheduler.submit(op, payload)
+    return op
+
+
+def active_run(st: ServiceState, who: str, run_id: str, seq_id: int) -> dict:
+    """The run, if it takes operations. A finished run still answers retries of seq_ids it already has."""
+    run = st.store.get_run(run_id, who)
+    if run["status"] != "active" and st.store.find_operation(run_id, seq_id) is None:
+        raise Conflict(f"run {run_id!r} is {run['status']}; it takes no more operations", field="run_id")
+    return run
+
+
+def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPayload, backward: bool) -> dict:
+    run = active_run(st, who, run_id, body.seq_id)
+    data = build_datums([d.model_dump() for d in body.data])
+    request = ForwardRequest(run_id, data, body.loss_function, body.loss_config, run["base_model"])
+    # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
+    tokens = st.scheduler.engine.validate(request, backward)
+    payload = {"data": data, "loss_fn": body.loss_function, "loss_config": body.loss_config, "tokens": tokens}
+    return submit(st, who, run_id, "forward_backward" if backward else "forward", body, payload)
+
+
+@router.post("/runs/{run_id}/forward_backward", response_model=schemas.Operation, status_code=202)
+def forward_backward(run_id: str, body: schemas.ForwardPayload, st: State, who: Owner):
+    """Loss, log-probs and gradients (accumulated until the next optim_step)."""
+    return _forward(st, who, run_id, body, backward=True)
+
+
+@router.post("/runs/{run_id}/forward", response_model=schemas.Operation, status_code=202)
+def forward(run_id: str, body: schemas.ForwardPayload, st: State, who: Owner):
+    """Loss and log-probs without gradients."""
+    return _forward(st, who, run_id, body, backward=False)
+
+
+@router.post("/runs/{run_id}/optim_step", response_model=schemas.Operation, status_code=202)
+def optim_step(run_id: str, body: schemas.OptimStep, st: State, who: Owner):
+    from whitney.engine import AdamParams
+
+    AdamParams.from_dict(body.adam_params.model_dump())  # range checks now: a 400, not a failed operation
+    return submit(st, who, run_id, "optim_step", body, {"adam_params": body.adam_params.model_dump()})
+
+
+def _load(st: ServiceState, who: str, run_id: str, body: schemas.LoadState, with_optimizer: bool) -> dict:
+    run = st.store.get_run(run_id, who)
+    if run["resume_from"] is not None and body.seq_id == 0:
+        raise Conflict("this run was bound to a checkpoint at creation; load_state as its first operation as "
+                       "well is refused (do one or the other)", field="seq_id")
+    package = st.store.get_package(body.checkpoint_id, who)
+    if package["kind"] not in ("state", "sampler"):
+        raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export, not a saved state",
+                           field="checkpoint_id")
+    if with_optimizer and not package["has_optimizer"]:
+        raise InvalidInput("the checkpoint has no optimizer state; use load_state", field="checkpoint_id")
+    kind = "load_state_with_optimizer" if with_optimizer else "load_state"
+    return submit(st, who, run_id, kind, body, {"path": package["path"], "checkpoint_id": package["id"]})
+
+
+@router.post("/runs/{run_id}/load_state", response_model=schemas.Operation, status_code=202)
+def load_state(run_id: str, body: schemas.LoadState, st: State, who: Owner):
+    """Restore weights; the optimizer starts fresh."""
+    return _load(st, who, run_id, body, with_optimizer=False)
+
+
+@router.post("/runs/{run_id}/load_state_with_optimizer", response_model=schemas.Operation, status_code=202)
+def load_state_with_optimizer(run_id: str, body: schemas.LoadState, st: State, who: Owner):
+    """Restore weights and optimizer: training continues exactly where the checkpoint left off."""
+    return _load(st, who, run_id, body, with_optimizer=True)
+
+
+@router.post("/runs/{run_id}/save_state", response_model=schemas.Operation, status_code=202)
+def save_state(run_id: str, body: schemas.SaveState, st: State, who: Owner):
+    return submit(st, who, run_id, "save_state", body, {"name": body.name, "include_optimizer": body.include_optimizer})
+
+
+@router.post("/runs/{run_id}/save_weights", response_model=schemas.Operation, status_code=202)
+def save_weights(run_id: str, body: schemas.SaveWeights, st: State, who: Owner):
+    return submit(st, who, run_id, "save_weights", body, {"name": body.name, "merge": body.merge})
+
+
+@router.post("/runs/{run_id}/export_lora", response_model=schemas.Operation, status_code=202)
+def export_lora(run_id: str, body: schemas.ExportLora, st: State, who: Owner):
+    return submit(st, who, run_id, "export_lora", body, {"name": body.name})
+
+
+@router.post("/runs/{run_id}/save_weights_for_sampler", response_model=schemas.Operation, status_code=202)
+def save_weights_for_sampler(run_id: str, body: schemas.SaveForSampler, st: State, who: Owner):
+    """Snapshot the adapter as the next sampler version; sampling that version never sees later training."""
+    return submit(st, who, run_id, "save_weights_for_sampler", body, {})
+
+
+@router.get("/runs/{run_id}/operations", response_model=list[schemas.Operation])
+def list_operations(run_id: str, st: State, who: Owner):
+    st.store.get_run(run_id, who)
+    return st.store.list_operations(run_id)
+
+
+@router.get("/operations/{op_id}", response_model=schemas.Operation)
+async def get_operation(op_id: str, st: State, who: Owner,
+                        wait: float = Query(0.0, ge=0.0, le=MAX_WAIT, description="long-poll up to this many seconds")):
+    """An operation's state; with `wait`, held until it is terminal or the wait ends."""
+    op = st.store.get_operation(op_id, who)
+    if wait > 0 and op["status"] not in TERMINAL:
+        await st.scheduler.wait(op_id, wait)
+        op = st.store.get_operation(op_id, who)
+    return op

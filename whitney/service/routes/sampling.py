@@ -1,0 +1,68 @@
+"""Sampling and log-probs: not in seq_id order, and always on named, frozen weights."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from whitney.engine.sampler import SamplingParams, validate
+from whitney.errors import InvalidInput, NotFound
+from whitney.service import schemas
+from whitney.service.deps import Owner, ServiceState, State
+
+router = APIRouter(prefix="/v1", tags=["sampling"])
+
+
+def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[dict, str]:
+    """Engine weights for a reference (a run's sampler version, a checkpoint, or a base model), and its base."""
+    given = [k for k in ("run_id", "checkpoint_id", "base_model") if getattr(ref, k) is not None]
+    if len(given) > 1:
+        raise InvalidInput(f"name one source of weights, not {given}", field=given[1])
+    if ref.run_id is not None:
+        run = st.store.get_run(ref.run_id, who)
+        if ref.version is None:
+            raise InvalidInput("sampling a run needs a version from save_weights_for_sampler", field="version")
+        if ref.run_id in st.scheduler.engine.runs:
+            return {"run_id": ref.run_id, "version": ref.version}, run["base_model"]
+        # The run has ended: its versions live on as sampler packages.
+        for package in st.store.list_packages(who, run["id"], "sampler"):
+            if package["name"] == str(ref.version):
+                return {"checkpoint_path": package["path"]}, run["base_model"]
+        raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
+    if ref.version is not None:
+        raise InvalidInput("version goes with run_id", field="version")
+    if ref.checkpoint_id is not None:
+        package = st.store.get_package(ref.checkpoint_id, who)
+        if package["kind"] not in ("state", "sampler"):
+            raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export; sample from a saved "
+                               "state or sampler version", field="checkpoint_id")
+        return {"checkpoint_path": package["path"]}, package["base_model"]
+    base_model = ref.base_model or st.models[0]
+    if base_model not in st.models:
+        raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
+    return {"base_model": base_model}, base_model
+
+
+@router.post("/samples", response_model=schemas.Operation, status_code=202)
+def sample(body: schemas.SampleRequest, st: State, who: Owner):
+    """Generate num_samples continuations of a prompt; poll the operation for the sequences."""
+    weights, base_model = resolve(st, who, body)
+    params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
+                            top_p=body.top_p, seed=body.seed,
+                            stop=None if body.stop is None else tuple(tuple(s) if isinstance(s, list) else s
+                                                                      for s in body.stop),
+                            num_samples=body.num_samples, prompt_logprobs=body.prompt_logprobs,
+                            topk_prompt_logprobs=body.topk_prompt_logprobs)
+    engine = st.scheduler.engine
+    validate(body.prompt, params, engine.models[base_model], engine.max_sequences)  # a 400 now, not a failure later
+    op, _ = st.store.submit_operation(who, None, None, "sample", "")
+    st.scheduler.submit_sample(op, body.prompt, params, weights)
+    return op
+
+
+@router.post("/logprobs", response_model=schemas.Operation, status_code=202)
+def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
+    """Per-token log-probs of given sequences (the first position has none)."""
+    weights, _ = resolve(st, who, body)
+    op, _ = st.store.submit_operation(who, None, None, "compute_logprobs", "")
+    st.scheduler.submit_logprobs(op, body.sequences, weights)
+    return op

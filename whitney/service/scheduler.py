@@ -1,0 +1,361 @@
+"""The scheduler: one worker thread owns the engine; runs' operations go in seq_id order.
+
+Routes record an operation in the store, then hand its payload here. The worker wakes on an event
+(never a sleep loop), picks for every run the operation whose seq_id is next, and sends the ready
+forward_backward (and forward) operations of different runs to the engine as one mixed batch, up to
+a token budget so one run's large batch cannot hold the others back. Every other operation runs
+alone. Between training batches the worker advances sampling by one decode step, so a long sampling
+batch never stalls training for more than one step, and training never stalls sampling for more
+than one batch. Each terminal state is written to the store, then waiters are woken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from whitney.engine import AdamParams, Datum, Engine, ForwardRequest, LoraConfig
+from whitney.engine.sampler import SamplingParams
+from whitney.errors import InvalidInput, WhitneyError
+from whitney.service.store import Store, new_id
+
+log = logging.getLogger("whitney.scheduler")
+
+TRAINING_KINDS = ("forward", "forward_backward", "optim_step", "save_state", "load_state",
+                  "load_state_with_optimizer", "save_weights", "export_lora", "save_weights_for_sampler")
+BATCHED_KINDS = ("forward", "forward_backward")
+
+
+@dataclass
+class _RunQueue:
+    next_seq: int = 0
+    pending: dict[int, tuple[dict, dict]] = field(default_factory=dict)  # seq_id -> (operation, payload)
+    finishing: bool = False
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, store: Store, data_dir: Path, max_batch_tokens: int = 16384,
+                 session_timeout: float = 600.0):
+        self.engine = engine
+        self.store = store
+        self.data_dir = Path(data_dir)
+        self.max_batch_tokens = max_batch_tokens
+        self.session_timeout = session_timeout
+        self._runs: dict[str, _RunQueue] = {}
+        self._samples: list[tuple[dict, Any]] = []  # (operation, engine SampleRequest)
+        self._calls: list[tuple[Callable, concurrent.futures.Future]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
+        self._thread = threading.Thread(target=self._loop, name="whitney-worker", daemon=True)
+        self._last_expiry_check = 0.0
+
+    # ---- from any thread ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn() on the worker thread (the engine's only user); the future carries its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
+    def submit(self, operation: dict, payload: dict) -> None:
+        """Queue a training operation already recorded in the store."""
+        with self._lock:
+            queue = self._runs.setdefault(operation["run_id"], _RunQueue())
+            if operation["seq_id"] < queue.next_seq or operation["seq_id"] in queue.pending:
+                return  # a retry of an operation already known
+            queue.pending[operation["seq_id"]] = (operation, payload)
+        self._wake.set()
+
+    def submit_sample(self, operation: dict, prompt: list[int], params: SamplingParams, weights: dict) -> None:
+        """Queue a sampling operation; `weights` names run_id+version, checkpoint_path or base_model."""
+        def start() -> None:
+            try:
+                request = self.engine.submit_sample(prompt, params, **weights)
+            except WhitneyError as e:
+                self._finish(operation, error=e)
+                return
+            self.store.set_operation(operation["id"], "running")
+            self._samples.append((operation, request))
+        self.call(start)
+
+    def submit_logprobs(self, operation: dict, sequences: list[list[int]], weights: dict) -> None:
+        """Score sequences on the named weights (not in any run's seq_id order)."""
+        def run() -> None:
+            self.store.set_operation(operation["id"], "running")
+            try:
+                result = {"logprobs": self.engine.compute_logprobs(sequences, **weights)}
+            except BaseException as e:
+                self._finish(operation, error=e)
+            else:
+                self._finish(operation, result=result)
+        self.call(run)
+
+    def open_run(self, run: dict, resume_path: str | None) -> concurrent.futures.Future:
+        """Create the run's adapter in the engine (and load its bound checkpoint)."""
+        def create() -> None:
+            self.engine.create_run(run["id"], run["base_model"], LoraConfig.from_dict(run["lora"]))
+            if resume_path is not None:
+                try:
+                    self.engine.load_state(run["id"], resume_path, with_optimizer=run["resume_with_optimizer"])
+                except BaseException:
+                    self.engine.delete_run(run["id"])
+                    raise
+            with self._lock:
+                self._runs.setdefault(run["id"], _RunQueue())
+        return self.call(create)
+
+    def finish_run(self, run_id: str) -> None:
+        """Run what is queued, then mark the run finished."""
+        with self._lock:
+            self._runs.setdefault(run_id, _RunQueue()).finishing = True
+        self._wake.set()
+
+    def cancel_run(self, run_id: str, reason: str = "run cancelled") -> None:
+        """Cancel queued operations; the running one ends; then the run is cancelled."""
+        with self._lock:
+            queue = self._runs.pop(run_id, None)
+        for op_id in self.store.cancel_queued(run_id, reason):
+            self._notify(op_id)
+        def drop() -> None:
+            self.engine.delete_run(run_id)
+            self.store.set_run_status(run_id, "cancelled", only_from=("active", "finishing", "cancelling"))
+        if queue is not None or run_id in self.engine.runs:
+            self.call(drop)
+        else:
+            self.store.set_run_status(run_id, "cancelled", only_from=("active", "finishing", "cancelling"))
+
+    async def wait(self, op_id: str, timeout: float) -> None:
+        """Return when the operation may have become terminal, or after `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._waiters.setdefault(op_id, []).append((loop, future))
+        if self.store.get_operation(op_id)["status"] in ("succeeded", "failed", "cancelled"):
+            return
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                waiters = self._waiters.get(op_id, [])
+                if (loop, future) in waiters:
+                    waiters.remove((loop, future))
+
+    # ---- the worker thread --------------------------------------------------------------
+
+    def _notify(self, op_id: str) -> None:
+        with self._lock:
+            waiters = self._waiters.pop(op_id, [])
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+
+    def _finish(self, operation: dict, result: dict | None = None, error: BaseException | None = None) -> None:
+        if error is None:
+            self.store.set_operation(operation["id"], "succeeded", result=result)
+        elif isinstance(error, WhitneyError):
+            self.store.set_operation(operation["id"], "failed", error={**error.to_dict(), "category": "user"})
+        else:
+            log.exception("operation %s (%s) failed", operation["id"], operation["kind"], exc_info=error)
+            self.store.set_operation(operation["id"], "failed", error={
+                "code": "internal", "message": f"{type(error).__name__}: {error}", "category": "server"})
+        self._notify(operation["id"])
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._wake.clear()
+            did = self._run_calls()
+            did |= self._run_training()
+            did |= self._run_sampling()
+            self._expire_sessions()
+            if not did:
+                self._wake.wait(timeout=1.0)
+
+    def _run_calls(self) -> bool:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+        return bool(calls)
+
+    def _ready(self) -> list[tuple[dict, dict]]:
+        """For each run, its next operation if it has arrived; finish runs that are drained."""
+        ready = []
+        with self._lock:
+            for run_id, queue in list(self._runs.items()):
+                if queue.next_seq in queue.pending:
+                    ready.append(queue.pending[queue.next_seq])
+                elif queue.finishing:
+                    del self._runs[run_id]
+                    for seq, (op, _) in queue.pending.items():
+                        self.store.set_operation(op["id"], "cancelled",
+                                                 error={"code": "cancelled", "message": f"run finished before seq_id {seq} could run (seq_id {queue.next_seq} never arrived)"})
+                        self._notify(op["id"])
+                    self.engine.delete_run(run_id)
+                    self.store.set_run_status(run_id, "finished", only_from=("active", "finishing"))
+        return ready
+
+    def _advance(self, operation: dict) -> None:
+        with self._lock:
+            queue = self._runs.get(operation["run_id"])
+            if queue is not None and queue.pending.pop(operation["seq_id"], None) is not None:
+                queue.next_seq = operation["seq_id"] + 1
+
+    def _run_training(self) -> bool:
+        ready = self._ready()
+        if not ready:
+            return False
+        # Cancelled while queued (store says so): skip, but keep the order moving.
+        live = []
+        for op, payload in ready:
+            if self.store.get_operation(op["id"])["status"] != "queued":
+                self._advance(op)
+            else:
+                live.append((op, payload))
+        for kind in BATCHED_KINDS:
+            batch = [(op, p) for op, p in live if op["kind"] == kind]
+            while batch:
+                take, tokens = [], 0
+                for item in batch:
+                    size = item[1]["tokens"]
+                    if take and tokens + size > self.max_batch_tokens:
+                        break
+                    take.append(item)
+                    tokens += size
+                batch = batch[len(take):]
+                self._run_batch(take, backward=kind == "forward_backward")
+        for op, payload in live:
+            if op["kind"] not in BATCHED_KINDS:
+                self._run_single(op, payload)
+        return True
+
+    def _run_batch(self, items: list[tuple[dict, dict]], backward: bool) -> None:
+        for op, _ in items:
+            self.store.set_operation(op["id"], "running")
+        requests = [ForwardRequest(op["run_id"], p["data"], p["loss_fn"], p["loss_config"]) for op, p in items]
+        try:
+            results = self.engine.run_batch(requests, backward=backward)
+        except BaseException as e:  # a bug: every operation of the batch fails as a server error
+            results = [e] * len(items)
+        for (op, _), result in zip(items, results):
+            if isinstance(result, BaseException):
+                self._finish(op, error=result)
+            else:
+                self._finish(op, result=forward_result_dict(result))
+            self._advance(op)
+
+    def _run_single(self, op: dict, payload: dict) -> None:
+        self.store.set_operation(op["id"], "running")
+        try:
+            result = self._execute(op, payload)
+        except BaseException as e:
+            self._finish(op, error=e)
+        else:
+            self._finish(op, result=result)
+        self._advance(op)
+
+    def _execute(self, op: dict, p: dict) -> dict:
+        run_id, kind, engine = op["run_id"], op["kind"], self.engine
+        if kind == "optim_step":
+            return {"metrics": engine.optim_step(run_id, AdamParams.from_dict(p["adam_params"]))}
+        if kind in ("load_state", "load_state_with_optimizer"):
+            engine.load_state(run_id, p["path"], with_optimizer=kind == "load_state_with_optimizer")
+            return {"checkpoint_id": p["checkpoint_id"]}
+        run = self.store.get_run(run_id)
+        package_id = new_id("pkg")
+        path = self.data_dir / "packages" / package_id
+        if kind == "save_state":
+            engine.save_state(run_id, str(path), include_optimizer=p["include_optimizer"])
+            package = self.store.register_package(run_id, run["owner"], "state", p["name"], str(path),
+                                                  run["base_model"], p["include_optimizer"], package_id)
+        elif kind == "save_weights":
+            engine.save_weights(run_id, str(path), merge=p["merge"])
+            package = self.store.register_package(run_id, run["owner"], "merged" if p["merge"] else "weights",
+                                                  p["name"], str(path), run["base_model"], False, package_id)
+        elif kind == "export_lora":
+            engine.export_lora(run_id, str(path))
+            package = self.store.register_package(run_id, run["owner"], "lora", p["name"], str(path),
+                                                  run["base_model"], False, package_id)
+        elif kind == "save_weights_for_sampler":
+            version = engine.save_weights_for_sampler(run_id)
+            # Also on disk, so the version outlives the run and a restart.
+            engine.save_state(run_id, str(path), include_optimizer=False)
+            package = self.store.register_package(run_id, run["owner"], "sampler", p.get("name") or str(version),
+                                                  str(path), run["base_model"], False, package_id)
+            return {"version": version, "package": public_package(package)}
+        else:
+            raise InvalidInput(f"unknown operation kind {kind!r}", field="kind")
+        return {"package": public_package(package)}
+
+    def _run_sampling(self) -> bool:
+        if not self._samples:
+            return False
+        self.engine.sample_step()
+        still = []
+        for op, request in self._samples:
+            if request.done:
+                self._finish(op, result=sample_result_dict(request.result))
+            else:
+                still.append((op, request))
+        self._samples = still
+        return True
+
+    def _expire_sessions(self) -> None:
+        now = time.time()
+        if now - self._last_expiry_check < 5.0:
+            return
+        self._last_expiry_check = now
+        for session_id in self.store.idle_sessions(now - self.session_timeout):
+            self.store.end_session(session_id, "expired")
+            for run in self.store.runs_of_session(session_id):
+                if run["status"] in ("active", "finishing"):
+                    self.cancel_run(run["id"], "session expired")
+
+
+def public_package(package: dict) -> dict:
+    """A package as clients see it: no owner digest, no server path."""
+    return {k: v for k, v in package.items() if k not in ("owner", "path", "deleted")}
+
+
+def forward_result_dict(result) -> dict:
+    return {
+        "loss": result.loss,
+        "metrics": result.metrics,
+        "outputs": [{"logprobs": o.logprobs, "elementwise_loss": o.elementwise_loss} for o in result.outputs],
+    }
+
+
+def sample_result_dict(result) -> dict:
+    return {
+        "sequences": [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
+                      for s in result.sequences],
+        "prompt_logprobs": result.prompt_logprobs,
+        "topk_prompt_logprobs": result.topk_prompt_logprobs,
+    }
+
+
+def build_datums(data: list[dict]) -> list[Datum]:
+    """Wire datums ({input: {token_ids}, loss_inputs}) as engine datums."""
+    return [Datum(d["input"]["token_ids"], d.get("loss_inputs") or {}) for d in data]
+

@@ -1,0 +1,191 @@
+"""Wire models of the native API. `extra="forbid"` everywhere: an unknown field is a 422, never dropped."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Wire(BaseModel):
+    """A request body: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Out(BaseModel):
+    """A response: built from store rows, showing only the declared fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- sessions and runs ---------------------------------------------------------------------
+
+class SessionCreate(Wire):
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Session(Out):
+    id: str
+    status: Literal["active", "closed", "expired"]
+    created_at: float
+    last_heartbeat: float
+    user_metadata: dict[str, Any]
+
+
+class LoraSpec(Wire):
+    rank: int = 32
+    alpha: float = 32.0
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    target_modules: list[str] | None = None
+
+
+class ResumeFrom(Wire):
+    checkpoint_id: str
+    with_optimizer: bool = False
+
+
+class RunCreate(Wire):
+    base_model: str | None = None  # default: the server's first model
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    resume_from: ResumeFrom | None = None
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Run(Out):
+    id: str
+    session_id: str
+    base_model: str
+    lora: dict[str, Any]
+    status: str
+    created_at: float
+    resume_from: str | None
+    resume_with_optimizer: bool
+    user_metadata: dict[str, Any]
+    error: str | None
+
+
+# ---- operations ----------------------------------------------------------------------------
+
+class TensorData(Wire):
+    dtype: Literal["int64", "int32", "float32", "float64"]
+    shape: list[int] | None = None
+    values: list[float] | list[int]
+
+
+class ModelInput(Wire):
+    token_ids: list[int] | list[list[int]]
+
+
+class WireDatum(Wire):
+    input: ModelInput
+    loss_inputs: dict[str, TensorData] = Field(default_factory=dict)
+
+
+class ForwardPayload(Wire):
+    """The seed's ForwardPayload: datums, a loss name and its config."""
+
+    seq_id: int = Field(ge=0)
+    data: list[WireDatum] = Field(min_length=1)
+    loss_function: str = "cross_entropy"
+    loss_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class AdamSpec(Wire):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    gradient_clip_norm: float = 0.0
+    lora_plus_ratio: float = 1.0
+    gradient_scale: float = 1.0
+
+
+class OptimStep(Wire):
+    seq_id: int = Field(ge=0)
+    adam_params: AdamSpec = Field(default_factory=AdamSpec)
+
+
+class SaveState(Wire):
+    seq_id: int = Field(ge=0)
+    name: str = Field(default="state", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    include_optimizer: bool = True
+
+
+class LoadState(Wire):
+    seq_id: int = Field(ge=0)
+    checkpoint_id: str
+
+
+class SaveWeights(Wire):
+    seq_id: int = Field(ge=0)
+    name: str = Field(default="weights", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    merge: bool = False
+
+
+class ExportLora(Wire):
+    seq_id: int = Field(ge=0)
+    name: str = Field(default="lora", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+
+
+class SaveForSampler(Wire):
+    seq_id: int = Field(ge=0)
+    name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+
+
+class Operation(Out):
+    id: str
+    run_id: str | None
+    seq_id: int | None
+    kind: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    result: dict[str, Any] | None
+    error: dict[str, Any] | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+
+
+# ---- sampling ------------------------------------------------------------------------------
+
+class WeightsRef(Wire):
+    """Which weights: a run's sampler version, a saved checkpoint, or a base model (exactly one)."""
+
+    run_id: str | None = None
+    version: int | None = None
+    checkpoint_id: str | None = None
+    base_model: str | None = None
+
+
+class SampleRequest(WeightsRef):
+    prompt: list[int]
+    num_samples: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str | int | list[int]] | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+class LogprobsRequest(WeightsRef):
+    sequences: list[list[int]] = Field(min_length=1)
+
+
+# ---- model packages ------------------------------------------------------------------------
+
+class Package(Out):
+    id: str
+    run_id: str
+    kind: str
+    name: str
+    version: int
+    base_model: str
+    has_optimizer: bool
+    created_at: float

@@ -1,0 +1,330 @@
+"""The durable store: sessions, runs, operations and model packages in SQL (SQLite by default).
+
+The database is the truth a client sees: every poll is answered from it, so after a restart the
+server still answers truthfully. The rules that must survive races are constraints:
+  - (run_id, seq_id) is unique: a resubmitted operation resolves to the existing row (safe retries);
+  - (run_id, kind, name, version) is unique for model packages: versions never collide.
+Functions take and return plain dicts; routes and the scheduler never see rows.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import contextmanager
+
+from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
+                        event, select)
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+from whitney.errors import Conflict, InvalidInput, NotFound
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+RUN_TERMINAL = ("finished", "cancelled", "failed", "interrupted")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    status: Mapped[str] = mapped_column(String(16))  # active | closed | expired
+    created_at: Mapped[float] = mapped_column(Float)
+    last_heartbeat: Mapped[float] = mapped_column(Float)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class RunRow(Base):
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    lora: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))  # active|finishing|finished|cancelling|cancelled|failed|interrupted
+    created_at: Mapped[float] = mapped_column(Float)
+    # Bound at creation: the checkpoint the run resumes from. Then load_state as seq 0 is refused.
+    resume_from: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    resume_with_optimizer: Mapped[bool] = mapped_column(Boolean, default=False)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class OperationRow(Base):
+    __tablename__ = "operations"
+    # A retry of (run, seq_id) must find the first submission, never create a second one.
+    __table_args__ = (UniqueConstraint("run_id", "seq_id", name="one_operation_per_seq_id"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    # Training operations belong to a run and carry its seq_id; sampling ones have neither order nor run.
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id"), index=True, nullable=True)
+    seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    body_digest: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), index=True)  # queued|running|succeeded|failed|cancelled
+    result: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class PackageRow(Base):
+    __tablename__ = "model_packages"
+    # Versions of one name count up per run and kind; the constraint makes a racing duplicate fail loudly.
+    __table_args__ = (UniqueConstraint("run_id", "kind", "name", "version", name="one_package_version"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # state | weights | merged | lora | sampler
+    name: Mapped[str] = mapped_column(String(256))
+    version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    base_model: Mapped[str] = mapped_column(String(512))
+    has_optimizer: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[float] = mapped_column(Float)
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+def _row_dict(row) -> dict:
+    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class Store:
+    """Owns the database connection. Every method is one short transaction."""
+
+    def __init__(self, url: str):
+        args = {"check_same_thread": False, "timeout": 30} if url.startswith("sqlite") else {}
+        self.engine = create_engine(url, connect_args=args)
+        if url.startswith("sqlite"):
+            @event.listens_for(self.engine, "connect")
+            def _pragmas(conn, _):  # WAL: pollers read while the scheduler writes
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA foreign_keys=ON")
+        Base.metadata.create_all(self.engine)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def tx(self):
+        with self._session() as db, db.begin():
+            yield db
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    def create_session(self, owner: str, user_metadata: dict | None = None) -> dict:
+        now = time.time()
+        row = SessionRow(id=new_id("ses"), owner=owner, status="active", created_at=now, last_heartbeat=now,
+                         user_metadata=user_metadata or {})
+        with self.tx() as db:
+            db.add(row)
+        return _row_dict(row)
+
+    def get_session(self, session_id: str, owner: str) -> dict:
+        with self.tx() as db:
+            row = db.get(SessionRow, session_id)
+            if row is None or row.owner != owner:
+                raise NotFound(f"session {session_id!r} does not exist", field="session_id")
+            return _row_dict(row)
+
+    def list_sessions(self, owner: str) -> list[dict]:
+        with self.tx() as db:
+            rows = db.scalars(select(SessionRow).where(SessionRow.owner == owner).order_by(SessionRow.created_at))
+            return [_row_dict(r) for r in rows]
+
+    def heartbeat(self, session_id: str, owner: str) -> dict:
+        with self.tx() as db:
+            row = db.get(SessionRow, session_id)
+            if row is None or row.owner != owner:
+                raise NotFound(f"session {session_id!r} does not exist", field="session_id")
+            if row.status != "active":
+                raise Conflict(f"session {session_id!r} is {row.status}", field="session_id")
+            row.last_heartbeat = time.time()
+            return _row_dict(row)
+
+    def end_session(self, session_id: str, status: str) -> None:
+        with self.tx() as db:
+            row = db.get(SessionRow, session_id)
+            if row is not None and row.status == "active":
+                row.status = status
+
+    def idle_sessions(self, older_than: float) -> list[str]:
+        with self.tx() as db:
+            rows = db.scalars(select(SessionRow.id).where(SessionRow.status == "active",
+                                                          SessionRow.last_heartbeat < older_than))
+            return list(rows)
+
+    # ---- runs -------------------------------------------------------------------------------
+
+    def create_run(self, session_id: str, owner: str, base_model: str, lora: dict, resume_from: str | None,
+                   resume_with_optimizer: bool, user_metadata: dict | None, run_id: str | None = None) -> dict:
+        session = self.get_session(session_id, owner)
+        if session["status"] != "active":
+            raise Conflict(f"session {session_id!r} is {session['status']}", field="session_id")
+        row = RunRow(id=run_id or new_id("run"), session_id=session_id, owner=owner, base_model=base_model, lora=lora,
+                     status="active", created_at=time.time(), resume_from=resume_from,
+                     resume_with_optimizer=resume_with_optimizer, user_metadata=user_metadata or {})
+        with self.tx() as db:
+            db.add(row)
+        return _row_dict(row)
+
+    def get_run(self, run_id: str, owner: str | None = None) -> dict:
+        with self.tx() as db:
+            row = db.get(RunRow, run_id)
+            if row is None or (owner is not None and row.owner != owner):
+                raise NotFound(f"run {run_id!r} does not exist", field="run_id")
+            return _row_dict(row)
+
+    def list_runs(self, owner: str, session_id: str | None = None) -> list[dict]:
+        with self.tx() as db:
+            q = select(RunRow).where(RunRow.owner == owner)
+            if session_id is not None:
+                q = q.where(RunRow.session_id == session_id)
+            return [_row_dict(r) for r in db.scalars(q.order_by(RunRow.created_at))]
+
+    def runs_of_session(self, session_id: str) -> list[dict]:
+        with self.tx() as db:
+            return [_row_dict(r) for r in db.scalars(select(RunRow).where(RunRow.session_id == session_id))]
+
+    def set_run_status(self, run_id: str, status: str, error: str | None = None,
+                       only_from: tuple[str, ...] | None = None) -> bool:
+        """Move a run to `status` (if it is in one of `only_from`); True if it moved."""
+        with self.tx() as db:
+            row = db.get(RunRow, run_id)
+            if row is None or (only_from is not None and row.status not in only_from):
+                return False
+            row.status = status
+            if error is not None:
+                row.error = error
+            return True
+
+    # ---- operations -------------------------------------------------------------------------
+
+    def submit_operation(self, owner: str, run_id: str | None, seq_id: int | None, kind: str,
+                         body_digest: str) -> tuple[dict, bool]:
+        """Queue (run, seq_id), or return the existing operation if the same body was sent before.
+
+        Returns (operation, created). A different body under a used seq_id is a Conflict.
+        Sampling operations pass run_id/seq_id None and are never deduplicated.
+        """
+        row = OperationRow(id=new_id("op"), owner=owner, run_id=run_id, seq_id=seq_id, kind=kind,
+                           body_digest=body_digest, status="queued", created_at=time.time())
+        try:
+            with self.tx() as db:
+                db.add(row)
+            return _row_dict(row), True
+        except IntegrityError:
+            with self.tx() as db:
+                existing = db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
+                                                                 OperationRow.seq_id == seq_id)).one()
+                if existing.body_digest != body_digest or existing.kind != kind:
+                    raise Conflict(f"seq_id {seq_id} of run {run_id!r} was already used for a different "
+                                   f"{existing.kind} request", field="seq_id") from None
+                return _row_dict(existing), False
+
+    def get_operation(self, op_id: str, owner: str | None = None) -> dict:
+        with self.tx() as db:
+            row = db.get(OperationRow, op_id)
+            if row is None or (owner is not None and row.owner != owner):
+                raise NotFound(f"operation {op_id!r} does not exist", field="operation_id")
+            return _row_dict(row)
+
+    def find_operation(self, run_id: str, seq_id: int) -> dict | None:
+        with self.tx() as db:
+            row = db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
+                                                        OperationRow.seq_id == seq_id)).first()
+            return _row_dict(row) if row is not None else None
+
+    def list_operations(self, run_id: str) -> list[dict]:
+        with self.tx() as db:
+            q = select(OperationRow).where(OperationRow.run_id == run_id).order_by(OperationRow.seq_id)
+            return [_row_dict(r) for r in db.scalars(q)]
+
+    def set_operation(self, op_id: str, status: str, result: dict | None = None, error: dict | None = None) -> None:
+        with self.tx() as db:
+            row = db.get(OperationRow, op_id)
+            row.status = status
+            now = time.time()
+            if status == "running":
+                row.started_at = now
+            if status in TERMINAL:
+                row.finished_at = now
+                row.result, row.error = result, error
+
+    def cancel_queued(self, run_id: str, reason: str) -> list[str]:
+        """Cancel every queued operation of a run; return their ids."""
+        with self.tx() as db:
+            rows = list(db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
+                                                              OperationRow.status == "queued")))
+            for row in rows:
+                row.status, row.finished_at = "cancelled", time.time()
+                row.error = {"code": "cancelled", "message": reason}
+            return [r.id for r in rows]
+
+    def recover_after_restart(self) -> None:
+        """Operations that were queued or running when the process died failed; their runs are interrupted."""
+        with self.tx() as db:
+            for row in db.scalars(select(OperationRow).where(OperationRow.status.in_(("queued", "running")))):
+                row.status, row.finished_at = "failed", time.time()
+                row.error = {"code": "server_restarted", "message": "server restarted before this operation ran"}
+            for row in db.scalars(select(RunRow).where(RunRow.status.notin_(RUN_TERMINAL))):
+                row.status = "interrupted"
+                row.error = "server restarted; resume from the newest checkpoint with a new run"
+
+    # ---- model packages ---------------------------------------------------------------------
+
+    def register_package(self, run_id: str, owner: str, kind: str, name: str, path: str, base_model: str,
+                         has_optimizer: bool = False, package_id: str | None = None) -> dict:
+        with self.tx() as db:
+            latest = db.scalars(select(PackageRow.version).where(
+                PackageRow.run_id == run_id, PackageRow.kind == kind, PackageRow.name == name
+            ).order_by(PackageRow.version.desc())).first()
+            row = PackageRow(id=package_id or new_id("pkg"), run_id=run_id, owner=owner, kind=kind, name=name,
+                             version=(latest or 0) + 1, path=path, base_model=base_model,
+                             has_optimizer=has_optimizer, created_at=time.time())
+            db.add(row)
+        return _row_dict(row)
+
+    def get_package(self, package_id: str, owner: str | None = None) -> dict:
+        with self.tx() as db:
+            row = db.get(PackageRow, package_id)
+            if row is None or row.deleted or (owner is not None and row.owner != owner):
+                raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
+            return _row_dict(row)
+
+    def list_packages(self, owner: str, run_id: str | None = None, kind: str | None = None) -> list[dict]:
+        with self.tx() as db:
+            q = select(PackageRow).where(PackageRow.owner == owner, PackageRow.deleted.is_(False))
+            if run_id is not None:
+                q = q.where(PackageRow.run_id == run_id)
+            if kind is not None:
+                q = q.where(PackageRow.kind == kind)
+            return [_row_dict(r) for r in db.scalars(q.order_by(PackageRow.created_at))]
+
+    def delete_package(self, package_id: str, owner: str) -> dict:
+        with self.tx() as db:
+            row = db.get(PackageRow, package_id)
+            if row is None or row.deleted or row.owner != owner:
+                raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
+            row.deleted = True
+            return _row_dict(row)
+
+
+def digest(body: dict) -> str:
+    """A stable digest of a request body, for idempotent retries."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_seq_id(seq_id: int) -> None:
+    if not isinstance(seq_id, int) or seq_id < 0:
+        raise InvalidInput(f"seq_id must be a non-negative integer, got {seq_id!r}", field="seq_id")
