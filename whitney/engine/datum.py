@@ -90,6 +90,11 @@ def to_tensor(value: TensorInput | list | dict, index: int, name: str) -> torch.
             raise InvalidInput(f"datum {index}: {name} has dtype {value.dtype!r}; expected one of "
                                f"{INT_DTYPES + FLOAT_DTYPES}", field=name, datum_index=index)
         dtype = torch.int64 if value.dtype in INT_DTYPES else torch.float64
+        if dtype == torch.int64 and isinstance(value.values, list) and any(
+                isinstance(v, float) and not v.is_integer() for v in value.values):
+            # torch.tensor would truncate 12.5 to 12 silently.
+            raise InvalidInput(f"datum {index}: {name} has dtype {value.dtype} but non-integer values",
+                               field=name, datum_index=index)
         try:
             t = torch.tensor(value.values, dtype=dtype)
         except (TypeError, ValueError, RuntimeError, OverflowError):
@@ -125,12 +130,13 @@ def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], require
     _check_tokens(tokens, vocab, index, "token_ids")
     n = tokens.shape[0]
 
-    raw = {}
+    raw, given = {}, {}
     for name, value in (datum.loss_inputs or {}).items():
         canon = ALIASES.get(name, name)
         if canon in raw:
-            raise InvalidInput(f"datum {index}: both {name!r} and its alias {canon!r} are given",
-                               field=name, datum_index=index)
+            raise InvalidInput(f"datum {index}: both {given[canon]!r} and {name!r} are given; they are "
+                               f"the same input {canon!r}", field=name, datum_index=index)
+        given[canon] = name
         if canon not in specs:
             raise InvalidInput(f"datum {index}: loss input {name!r} is not used by this loss; it takes "
                                f"{sorted(specs)}", field=name, datum_index=index)
@@ -143,7 +149,7 @@ def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], require
     for name in sorted(raw, key=lambda k: 0 if specs[k].rows == "N" else 1 if specs[k].rows == k else 2):
         spec, t = specs[name], raw[name]
         rows = n if spec.rows == "N" else int(inputs[spec.rows].shape[0]) if spec.rows in inputs else None
-        if rows is None:
+        if rows is None and name != spec.rows:  # a field defining its own stream is sized just below
             raise InvalidInput(f"datum {index}: {name} needs {spec.rows}", field=spec.rows, datum_index=index)
         if spec.kind == "token" and name == spec.rows:  # a stream of its own: any non-zero length
             rows = t.shape[0] if t.dim() == 1 else -1

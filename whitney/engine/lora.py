@@ -98,11 +98,12 @@ def target_module_paths(base: BaseModel, config: LoraConfig) -> list[str]:
 
 def validate_lora_config(config: LoraConfig, base: BaseModel, max_rank: int = DEFAULT_MAX_RANK) -> list[str]:
     """Check every field; return the module paths to adapt."""
-    check(isinstance(config.rank, int) and 1 <= config.rank <= max_rank,
+    check(isinstance(config.rank, int) and not isinstance(config.rank, bool) and 1 <= config.rank <= max_rank,
           f"rank must be an integer from 1 to {max_rank}, got {config.rank!r}", field="rank")
-    check(isinstance(config.alpha, (int, float)) and math.isfinite(config.alpha) and config.alpha > 0,
+    check(isinstance(config.alpha, (int, float)) and not isinstance(config.alpha, bool)
+          and math.isfinite(config.alpha) and config.alpha > 0,
           f"alpha must be a positive finite number, got {config.alpha!r}", field="alpha")
-    check(isinstance(config.seed, int) and 0 <= config.seed < 2**63,
+    check(isinstance(config.seed, int) and not isinstance(config.seed, bool) and 0 <= config.seed < 2**63,
           f"seed must be a non-negative integer below 2**63, got {config.seed!r}", field="seed")
     return target_module_paths(base, config)
 
