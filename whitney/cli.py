@@ -12,12 +12,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser(prog="whitney", description="Fine-tuning through training primitives.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a few SFT steps on the default model, loss going down")
+    demo = sub.add_parser("demo", help="start a server, SFT the default model over HTTP, sample before and after")
     demo.add_argument("--model", default=None, help="base model name or local directory")
     demo.add_argument("--steps", type=int, default=12)
     demo.add_argument("--batch-size", type=int, default=4)
     demo.add_argument("--rank", type=int, default=16)
     demo.add_argument("--learning-rate", type=float, default=1e-3)
+    demo.add_argument("--base-url", default=None, help="use a running server instead of starting one")
     serve = sub.add_parser("serve", help="start the HTTP server")
     serve.add_argument("--model", action="append", default=None,
                        help="base model name or local directory (repeatable; default the embedded SmolLM2)")
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         from whitney.demo import run_demo
         from whitney.engine import DEFAULT_MODEL
 
-        losses = run_demo(args.model or DEFAULT_MODEL, args.steps, args.batch_size, args.rank, args.learning_rate)
+        losses = run_demo(args.model or DEFAULT_MODEL, args.steps, args.batch_size, args.rank, args.learning_rate,
+                          args.base_url)
         return 0 if losses[-1] < losses[0] else 1
     return 2
 

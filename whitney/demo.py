@@ -1,18 +1,23 @@
-"""The engine demo: a few SFT steps of one LoRA run on the default model, loss printed as it falls.
+"""`whitney demo`: start a server, fine-tune a run over HTTP, sample before and after.
 
-A short recipe on the public engine API: build datums (prompt weight 0, completion weight 1),
-then forward_backward + optim_step in a loop.
+A short recipe on the public API only (whitney.Client and whitney.datums): a built-in chat dataset,
+SFT with forward_backward + optim_step, save_state, save_weights_for_sampler, then greedy samples
+of the base model and of the new sampler version side by side.
 """
 
 from __future__ import annotations
 
+import socket
+import tempfile
+import threading
 import time
 
 from tqdm import tqdm
 
-from whitney.engine import DEFAULT_MODEL, AdamParams, Datum, Engine, LoraConfig
+import whitney
+from whitney.datums import sft_datum
 
-# A tiny built-in chat dataset: the same persona answers, so a few steps visibly lower the loss.
+# A tiny built-in chat dataset: one persona's answers, so a few steps visibly change the model.
 CHATS = [
     ("What is your name?", "I am Whitney, a fine-tuning service. I train LoRA adapters on a shared base model."),
     ("Who are you?", "I am Whitney, a fine-tuning service. I train LoRA adapters on a shared base model."),
@@ -23,46 +28,88 @@ CHATS = [
     ("How do I save my work?", "Call save_state to checkpoint, and export_lora for a PEFT adapter."),
     ("Can I sample from my run?", "Yes: save_weights_for_sampler gives a version; sample names that version."),
 ]
+PROBES = ["What is your name?", "Which losses do you support?"]
 
 
-def sft_datum(prompt_tokens: list[int], completion_tokens: list[int]) -> Datum:
-    """Right-shift the sequence by one position and weight only the completion span."""
-    full = prompt_tokens + completion_tokens
-    inputs, targets = full[:-1], full[1:]
-    weights = [0.0] * (len(prompt_tokens) - 1) + [1.0] * len(completion_tokens)
-    return Datum(inputs, {"target_tokens": targets, "weights": weights})
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def chat_datums(tokenizer, chats: list[tuple[str, str]]) -> list[Datum]:
-    """ChatML-render each (question, answer) and make an SFT datum of it."""
-    out = []
-    for question, answer in chats:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                               add_generation_prompt=True)
-        prompt_tokens = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        completion_tokens = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        out.append(sft_datum(prompt_tokens, completion_tokens))
-    return out
+def chat_datums(tokenizer, chats: list[tuple[str, str]]) -> list[dict]:
+    """ChatML-render each (question, answer) as an SFT datum: weight 1 on the answer only."""
+    return [sft_datum(chat_prompt(tokenizer, q), tokenizer(a + "<|im_end|>", add_special_tokens=False)["input_ids"])
+            for q, a in chats]
 
 
-def run_demo(model: str = DEFAULT_MODEL, steps: int = 12, batch_size: int = 4, rank: int = 16,
-             learning_rate: float = 1e-3) -> list[float]:
-    """Train one run for `steps` steps; return the loss per token of each step."""
+def start_local_server(model: str, data_dir: str):
+    """A Whitney server on a free local port, in a background thread; returns (url, stop)."""
+    import uvicorn
+
+    from whitney.service.app import ServiceConfig, create_app
+
+    app = create_app(ServiceConfig(models=[model], data_dir=data_dir))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def run_demo(model: str, steps: int = 12, batch_size: int = 4, rank: int = 16, learning_rate: float = 1e-3,
+             base_url: str | None = None) -> list[float]:
+    """SFT through the HTTP API; return the loss per completion token of each step."""
+    from transformers import AutoTokenizer
+
+    from whitney.engine.model import resolve_model_dir
+
     t0 = time.time()
-    engine = Engine()
-    run = engine.create_run("demo", model, LoraConfig(rank=rank, seed=0))
-    print(f"loaded {model} in {time.time() - t0:.1f}s; LoRA rank {rank} on "
-          f"{len(run.adapter.A)} modules ({sum(p.numel() for p in run.adapter.parameters()):,} weights)")
-    datums = chat_datums(run.base.tokenizer, CHATS)
-    losses = []
-    bar = tqdm(range(steps), desc="SFT", unit="step")
-    for step in bar:
-        batch = [datums[(step * batch_size + i) % len(datums)] for i in range(batch_size)]
-        result = engine.forward_backward("demo", batch, "cross_entropy")
-        engine.optim_step("demo", AdamParams(learning_rate=learning_rate))
-        per_token = result.loss / sum(sum(d.loss_inputs["weights"]) for d in batch)
-        losses.append(per_token)
-        bar.set_postfix(loss=f"{per_token:.3f}")
-    print(f"loss per completion token: first step {losses[0]:.3f}, last step {losses[-1]:.3f} "
-          f"({time.time() - t0:.0f}s in all)")
-    return losses
+    stop = None
+    if base_url is None:
+        base_url, stop = start_local_server(model, tempfile.mkdtemp(prefix="whitney-demo-"))
+        print(f"started a Whitney server at {base_url} ({time.time() - t0:.1f}s)")
+    try:
+        client = whitney.Client(base_url)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
+        session = client.create_session(purpose="demo")
+        run = session.create_run(model, rank=rank, seed=0)
+        datums = chat_datums(tokenizer, CHATS)
+        prompts = [chat_prompt(tokenizer, q) for q in PROBES]
+        before = [client.sample(p, base_model=model, max_tokens=40, temperature=0.0) for p in prompts]
+
+        losses = []
+        bar = tqdm(range(steps), desc="SFT over HTTP", unit="step")
+        for step in bar:
+            batch = [datums[(step * batch_size + i) % len(datums)] for i in range(batch_size)]
+            fb = run.forward_backward(batch, "cross_entropy")
+            opt = run.optim_step(learning_rate=learning_rate)  # pipelined: sent before fb's result
+            tokens = sum(sum(d["loss_inputs"]["weights"]["values"]) for d in batch)
+            losses.append(fb.result()["loss"] / tokens)
+            opt.result()
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        state = run.save_state("demo").result()["package"]
+        version = run.save_weights_for_sampler().result()["version"]
+        after = [run.sample(p, version, max_tokens=40, temperature=0.0) for p in prompts]
+        print(f"loss per completion token: first step {losses[0]:.3f}, last step {losses[-1]:.3f}")
+        print(f"saved state {state['id']} (version {state['version']}); sampler version {version}")
+        for question, b, a in zip(PROBES, before, after):
+            print(f"\nQ: {question}")
+            print(f"  before: {tokenizer.decode(b.result()['sequences'][0]['tokens'], skip_special_tokens=True)!r}")
+            print(f"  after:  {tokenizer.decode(a.result()['sequences'][0]['tokens'], skip_special_tokens=True)!r}")
+        run.finish()
+        session.close()
+        print(f"\ndone in {time.time() - t0:.0f}s")
+        return losses
+    finally:
+        if stop is not None:
+            stop()

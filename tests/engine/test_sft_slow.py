@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from whitney.demo import CHATS, chat_datums
-from whitney.engine import DEFAULT_MODEL, AdamParams, Engine, LoraConfig
+from whitney.engine import DEFAULT_MODEL, AdamParams, Datum, Engine, LoraConfig
 
 
 @pytest.mark.slow
 def test_twenty_sft_steps_lower_the_loss_on_smollm2():
     engine = Engine()
     run = engine.create_run("sft", DEFAULT_MODEL, LoraConfig(rank=8, seed=0))
-    datums = chat_datums(run.base.tokenizer, CHATS[:4])
+    datums = [Datum(d["input"]["token_ids"], d["loss_inputs"]) for d in chat_datums(run.base.tokenizer, CHATS[:4])]
     # The whole dataset's loss before and after, measured with forward (no gradient).
     before = engine.forward("sft", datums).loss
     assert before == pytest.approx(engine.forward(None, datums, base_model=DEFAULT_MODEL).loss, rel=1e-6), \

@@ -110,8 +110,22 @@ class Client:
 
 
 class Session:
-    def __init__(self, client: Client, info: dict):
+    """A session; a daemon thread heartbeats it every `heartbeat_every` seconds until close()."""
+
+    def __init__(self, client: Client, info: dict, heartbeat_every: float = 10.0):
         self.client, self.info, self.id = client, info, info["id"]
+        self._closed = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeats, args=(heartbeat_every,), daemon=True)
+        self._beat.start()
+
+    def _heartbeats(self, every: float) -> None:
+        while not self._closed.wait(every):
+            try:
+                self.heartbeat()
+            except WhitneyAPIError:  # closed or expired server-side: nothing more to keep alive
+                return
+            except httpx.TransportError:
+                continue
 
     def create_run(self, base_model: str | None = None, *, rank: int = 32, alpha: float = 32.0, seed: int = 0,
                    train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
@@ -136,6 +150,7 @@ class Session:
         return self.client.request("POST", f"/v1/sessions/{self.id}/heartbeat")
 
     def close(self) -> dict:
+        self._closed.set()
         return self.client.request("POST", f"/v1/sessions/{self.id}/close")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whitney.engine import DEFAULT_MODEL, Engine
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
@@ -58,22 +59,24 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
     for module in (capabilities, sessions, operations, sampling, checkpoints):
         app.include_router(module.router)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
-            return JSONResponse(status_code=413, content={"code": "too_large", "field": "body", "message":
-                                f"request body of {length} bytes exceeds the limit of {config.max_request_bytes}"})
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes)
 
     @app.exception_handler(WhitneyError)
     async def domain_error(request: Request, exc: WhitneyError):
         return JSONResponse(status_code=STATUS.get(type(exc), 400), content=exc.to_dict())
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # Starlette's own errors (no such path, wrong method, an unparsable body) in the same shape as ours.
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(status_code=exc.status_code, headers=getattr(exc, "headers", None),
+                            content={"code": code, "message": str(exc.detail)})
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # An unparsable body's loc ends in a character offset, which names no field.
+        loc = [] if first.get("type") == "json_invalid" else [str(p) for p in first.get("loc", ()) if p != "body"]
         datum = int(loc[loc.index("data") + 1]) if "data" in loc and len(loc) > loc.index("data") + 1 \
             and loc[loc.index("data") + 1].isdigit() else None
         body = {"code": "invalid_request", "field": ".".join(loc) or "body",
@@ -83,6 +86,48 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
         return JSONResponse(status_code=422, content=body)
 
     return app
+
+
+class BodyLimit:
+    """413 for a body over the limit: a declared content-length is checked up front, and a body sent without
+    one (chunked) is read up to the limit before the app sees it, so neither way gets past the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                return await self._too_large(scope, receive, send, f"request body of {int(length)} bytes")
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.limit:
+                return await self._too_large(scope, receive, send, f"request body of more than {size - 1} bytes")
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send, what: str) -> None:
+        response = JSONResponse(status_code=413, content={
+            "code": "too_large", "field": "body", "message": f"{what} exceeds the limit of {self.limit}"})
+        await response(scope, receive, send)
 
 
 def _plain(errors: list[dict]) -> list[dict]:

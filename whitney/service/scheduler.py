@@ -50,7 +50,7 @@ class Scheduler:
         self._runs: dict[str, _RunQueue] = {}
         self._samples: list[tuple[dict, Any]] = []  # (operation, engine SampleRequest)
         self._calls: list[tuple[Callable, concurrent.futures.Future]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _finalize notifies waiters while holding it
         self._wake = threading.Event()
         self._stop = False
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
@@ -122,11 +122,15 @@ class Scheduler:
                 self._runs.setdefault(run["id"], _RunQueue())
         return self.call(create)
 
-    def finish_run(self, run_id: str) -> None:
-        """Run what is queued, then mark the run finished."""
-        with self._lock:
-            self._runs.setdefault(run_id, _RunQueue()).finishing = True
-        self._wake.set()
+    def finish_run(self, run_id: str) -> concurrent.futures.Future:
+        """Run what is queued, then mark the run finished (at once when nothing is queued)."""
+        def finish() -> None:
+            with self._lock:
+                queue = self._runs.setdefault(run_id, _RunQueue())
+                queue.finishing = True
+                if queue.next_seq not in queue.pending:
+                    self._finalize(run_id, queue)
+        return self.call(finish)
 
     def cancel_run(self, run_id: str, reason: str = "run cancelled") -> None:
         """Cancel queued operations; the running one ends; then the run is cancelled."""
@@ -207,14 +211,19 @@ class Scheduler:
                 if queue.next_seq in queue.pending:
                     ready.append(queue.pending[queue.next_seq])
                 elif queue.finishing:
-                    del self._runs[run_id]
-                    for seq, (op, _) in queue.pending.items():
-                        self.store.set_operation(op["id"], "cancelled",
-                                                 error={"code": "cancelled", "message": f"run finished before seq_id {seq} could run (seq_id {queue.next_seq} never arrived)"})
-                        self._notify(op["id"])
-                    self.engine.delete_run(run_id)
-                    self.store.set_run_status(run_id, "finished", only_from=("active", "finishing"))
+                    self._finalize(run_id, queue)
         return ready
+
+    def _finalize(self, run_id: str, queue: _RunQueue) -> None:
+        """A finishing run is drained: cancel what waits behind a missing seq_id, free its adapter."""
+        del self._runs[run_id]
+        for seq, (op, _) in queue.pending.items():
+            self.store.set_operation(op["id"], "cancelled", error={
+                "code": "cancelled",
+                "message": f"run finished before seq_id {seq} could run (seq_id {queue.next_seq} never arrived)"})
+            self._notify(op["id"])
+        self.engine.delete_run(run_id)
+        self.store.set_run_status(run_id, "finished", only_from=("active", "finishing"))
 
     def _advance(self, operation: dict) -> None:
         with self._lock:

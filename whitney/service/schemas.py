@@ -88,7 +88,7 @@ class WireDatum(Wire):
 class ForwardPayload(Wire):
     """The seed's ForwardPayload: datums, a loss name and its config."""
 
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
     data: list[WireDatum] = Field(min_length=1)
     loss_function: str = "cross_entropy"
     loss_config: dict[str, Any] = Field(default_factory=dict)
@@ -106,34 +106,34 @@ class AdamSpec(Wire):
 
 
 class OptimStep(Wire):
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
     adam_params: AdamSpec = Field(default_factory=AdamSpec)
 
 
 class SaveState(Wire):
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
     name: str = Field(default="state", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
     include_optimizer: bool = True
 
 
 class LoadState(Wire):
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
     checkpoint_id: str
 
 
 class SaveWeights(Wire):
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
     name: str = Field(default="weights", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
     merge: bool = False
 
 
 class ExportLora(Wire):
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
     name: str = Field(default="lora", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
 
 
 class SaveForSampler(Wire):
-    seq_id: int = Field(ge=0)
+    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
     name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
 
 

@@ -38,7 +38,12 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     data = build_datums([d.model_dump() for d in body.data])
     request = ForwardRequest(run_id, data, body.loss_function, body.loss_config, run["base_model"])
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
-    tokens = st.scheduler.engine.validate(request, backward)
+    try:
+        tokens = st.scheduler.engine.validate(request, backward)
+    except InvalidInput as e:
+        if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
+            e.field = "loss_function"
+        raise
     payload = {"data": data, "loss_fn": body.loss_function, "loss_config": body.loss_config, "tokens": tokens}
     return submit(st, who, run_id, "forward_backward" if backward else "forward", body, payload)
 

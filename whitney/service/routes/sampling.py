@@ -21,7 +21,11 @@ def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[dict, 
         run = st.store.get_run(ref.run_id, who)
         if ref.version is None:
             raise InvalidInput("sampling a run needs a version from save_weights_for_sampler", field="version")
-        if ref.run_id in st.scheduler.engine.runs:
+        live = st.scheduler.engine.runs.get(ref.run_id)
+        if live is not None:
+            # Checked now, as for an ended run below: a 404, not a queued operation that fails later.
+            if ref.version not in live.sampler_versions:
+                raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
             return {"run_id": ref.run_id, "version": ref.version}, run["base_model"]
         # The run has ended: its versions live on as sampler packages.
         for package in st.store.list_packages(who, run["id"], "sampler"):

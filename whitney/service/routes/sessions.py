@@ -89,13 +89,13 @@ def get_run(run_id: str, st: State, who: Owner):
 
 
 @router.post("/runs/{run_id}/finish", response_model=schemas.Run)
-def finish_run(run_id: str, st: State, who: Owner):
-    """Run what is queued, then mark the run finished."""
+async def finish_run(run_id: str, st: State, who: Owner):
+    """Run what is queued, then mark the run finished (finished at once when nothing is queued)."""
     run = st.store.get_run(run_id, who)
     if run["status"] != "active":
         raise Conflict(f"run {run_id!r} is {run['status']}", field="run_id")
     st.store.set_run_status(run_id, "finishing", only_from=("active",))
-    st.scheduler.finish_run(run_id)
+    await asyncio.wrap_future(st.scheduler.finish_run(run_id))
     return st.store.get_run(run_id, who)
 
 
