@@ -126,8 +126,12 @@ def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], require
                            field="token_ids", datum_index=index)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
         raise InvalidInput(f"datum {index}: token_ids must be integers", field="token_ids", datum_index=index)
+    # Checked on the ints, before torch: an id beyond int64 would fail to convert (a 500, not a 400).
+    bad = next((pos for pos, t in enumerate(flat) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidInput(f"datum {index}: token_ids has token id {flat[bad]} at position {bad}, "
+                           f"outside the vocabulary [0, {vocab})", field="token_ids", datum_index=index)
     tokens = torch.tensor(flat, dtype=torch.int64)
-    _check_tokens(tokens, vocab, index, "token_ids")
     n = tokens.shape[0]
 
     raw, given = {}, {}

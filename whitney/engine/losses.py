@@ -113,10 +113,20 @@ def dro(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> Loss
     return LossOutput(loss, per_token.detach(), lp.detach(), _metrics(loss, lp.shape[0]))
 
 
+def _finite(value) -> bool:
+    """A finite int or float (not a bool). A JSON integer too large for a float is not finite."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _number(config: dict, key: str, default: float, rule: Callable[[float], bool], text: str) -> float:
     value = config.get(key, default)  # an explicit null is rejected like any other non-number
-    check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and rule(value),
-          f"loss_config.{key} must be {text}, got {value!r}", field=f"loss_config.{key}")
+    check(_finite(value) and rule(value), f"loss_config.{key} must be {text}, got {value!r}",
+          field=f"loss_config.{key}")
     return float(value)
 
 

@@ -17,12 +17,10 @@ The teacher stream gets no gradient.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from whitney.engine.datum import FieldSpec, PreparedDatum
-from whitney.engine.losses import LossOutput, LossSpec, check_config_keys
+from whitney.engine.losses import LossOutput, LossSpec, _finite, check_config_keys
 from whitney.errors import InvalidInput, check
 
 TEACHER = "teacher_token_ids"
@@ -45,8 +43,7 @@ def parse_config(config: dict) -> dict:
     check_config_keys(config, "opsd")
     for key in ("ce_coef", "kl_coef"):
         value = config.get(key, 1.0)
-        check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-              and value >= 0, f"loss_config.{key} must be finite and non-negative, got {value!r}",
+        check(_finite(value) and value >= 0, f"loss_config.{key} must be finite and non-negative, got {value!r}",
               field=f"loss_config.{key}")
         out[key] = float(value)
     check(out["ce_coef"] > 0 or out["kl_coef"] > 0, "opsd needs ce_coef or kl_coef to be positive",
@@ -128,6 +125,7 @@ def objective(lp: list[torch.Tensor], student_kl: list[torch.Tensor], teacher_kl
             contrib = contrib + ce_coef * ce_tok / n_ce
             ce_sum, ce_n = ce_sum + float(ce_tok.detach().sum()), ce_n + n_ce
         if n_kl:
+            t = t.detach()  # the teacher stream never gets a gradient
             kl_tok = (t.exp() * (t - s)).sum(-1)  # [K] KL(teacher || student) per pair
             total = total + kl_coef * kl_tok.sum() / n_kl
             contrib = contrib.index_add(0, pos, kl_coef * kl_tok / n_kl)
