@@ -131,7 +131,10 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, t
         if p.temperature == 0 or p.top_k == 1:
             chosen[b] = int(torch.argmax(logits[b]))
             continue
-        scores = logits[b].float() / p.temperature  # [V]
+        # Shift so the top score is 0 (x / t overflows to inf for tiny t) and floor t where 1 / t would
+        # overflow float32; below 1e-30 every logit gap is already decisive, so the floor changes nothing.
+        scores = logits[b].float()
+        scores = (scores - scores.max()) / max(p.temperature, 1e-30)  # [V]
         if p.top_k > 1:
             kth = torch.topk(scores, min(p.top_k, scores.shape[0])).values[-1]
             scores = scores.masked_fill(scores < kth, -math.inf)

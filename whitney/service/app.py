@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whitney.engine import DEFAULT_MODEL, Engine
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
+from whitney.service import schemas
 from whitney.service.deps import ServiceState, Unauthorized
 from whitney.service.routes import capabilities, checkpoints, operations, sampling, sessions
 from whitney.service.scheduler import Scheduler
@@ -21,6 +22,12 @@ from whitney.service.store import Store
 
 log = logging.getLogger("whitney.service")
 STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, Conflict: 409}
+# What the error handlers below answer, so the OpenAPI document shows the real error body (not FastAPI's default).
+ERRORS = {status: {"model": schemas.Error, "description": text} for status, text in (
+    (400, "invalid input (code invalid_input)"), (401, "missing or unknown API key (code unauthorized)"),
+    (404, "no such session, run, operation, checkpoint or sampler version (code not_found)"),
+    (409, "valid alone, but clashes with the state (code conflict)"),
+    (413, "body over max_request_bytes (code too_large)"), (422, "not the request schema (code invalid_request)"))}
 
 
 @dataclass
@@ -57,7 +64,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
     app.state.whitney = ServiceState(store, scheduler, list(config.models), list(config.api_keys), data_dir,
                                      config.max_request_bytes)
     for module in (capabilities, sessions, operations, sampling, checkpoints):
-        app.include_router(module.router)
+        app.include_router(module.router, responses=ERRORS)
 
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)
 

@@ -19,6 +19,16 @@ class Out(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class Error(Out):
+    """Every 4xx body: a stable code, a message for people, and where known the field and datum at fault."""
+
+    code: str
+    message: str
+    field: str | None = None
+    datum_index: int | None = None
+    errors: list[dict[str, Any]] | None = None  # 422 only: each schema violation (loc, msg, type)
+
+
 # ---- sessions and runs ---------------------------------------------------------------------
 
 class SessionCreate(Wire):

@@ -35,6 +35,9 @@ def active_run(st: ServiceState, who: str, run_id: str, seq_id: int) -> dict:
 
 def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPayload, backward: bool) -> dict:
     run = active_run(st, who, run_id, body.seq_id)
+    kind = "forward_backward" if backward else "forward"
+    if run["status"] != "active":  # a retry of a seq_id the ended run has: its operation, though the adapter is gone
+        return submit(st, who, run_id, kind, body, {})
     data = build_datums([d.model_dump() for d in body.data])
     request = ForwardRequest(run_id, data, body.loss_function, body.loss_config, run["base_model"])
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
@@ -45,7 +48,7 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
             e.field = "loss_function"
         raise
     payload = {"data": data, "loss_fn": body.loss_function, "loss_config": body.loss_config, "tokens": tokens}
-    return submit(st, who, run_id, "forward_backward" if backward else "forward", body, payload)
+    return submit(st, who, run_id, kind, body, payload)
 
 
 @router.post("/runs/{run_id}/forward_backward", response_model=schemas.Operation, status_code=202)
