@@ -39,6 +39,15 @@ class Client:
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
         self.retries = retries
 
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def request(self, method: str, path: str, **kwargs) -> Any:
         """One call with retries on network errors and 502-504 (safe: operations are idempotent by seq_id)."""
         for attempt in range(self.retries + 1):
@@ -126,6 +135,8 @@ class Session:
                 return
             except httpx.TransportError:
                 continue
+            except RuntimeError:  # the Client was closed
+                return
 
     def create_run(self, base_model: str | None = None, *, rank: int = 32, alpha: float = 32.0, seed: int = 0,
                    train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True,
@@ -195,7 +206,7 @@ class RunClient:
                 "target_tokens": targets,
                 "weights": {"dtype": "float32", "shape": [len(g)], "values": (-g).tolist()}}})
         result = self.forward_backward(weighted).result()
-        return {**result, "loss": float(loss), "metrics": {**result["metrics"], **(metrics or {})}}
+        return {**result, "loss": float(loss.detach()), "metrics": {**result["metrics"], **(metrics or {})}}
 
     def optim_step(self, learning_rate: float = 1e-4, **adam_params) -> "OperationFuture":
         """AdamW: beta1, beta2, eps, weight_decay, gradient_clip_norm, lora_plus_ratio, gradient_scale."""

@@ -347,6 +347,10 @@ class Engine:
             sampler.step()
         return bool(busy)
 
+    def reset_sampling(self) -> None:
+        """Drop every queued and running sampling request (after a failure left a sampler inconsistent)."""
+        self.samplers.clear()
+
     def sample(self, prompt: list[int], params: SamplingParams | None = None, **weights) -> SampleResult:
         """Submit one request and step until it is done (other queued requests advance too)."""
         request = self.submit_sample(prompt, params or SamplingParams(), **weights)

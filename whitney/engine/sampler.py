@@ -112,6 +112,8 @@ def validate(prompt: list[int], params: SamplingParams, base: BaseModel, max_sam
     k = params.topk_prompt_logprobs
     check(isinstance(k, int) and 0 <= k <= MAX_TOPK_PROMPT_LOGPROBS,
           f"topk_prompt_logprobs must be from 0 to {MAX_TOPK_PROMPT_LOGPROBS}, got {k!r}", field="topk_prompt_logprobs")
+    check(params.stop is None or isinstance(params.stop, (list, tuple)),
+          f"stop must be a list of strings, token ids or token-id lists, got {params.stop!r}", field="stop")
     for s in params.stop or ():
         ok = (isinstance(s, str) and s != "") or (isinstance(s, int) and 0 <= s < vocab) or (
             isinstance(s, (list, tuple)) and len(s) > 0 and all(isinstance(x, int) and 0 <= x < vocab for x in s))
@@ -233,8 +235,9 @@ class Sampler:
             r.pending = n
         index = torch.tensor(copies)
         lengths = torch.tensor([len(requests[i].prompt) for i in copies])
-        self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
         chosen, lps = next_tokens(torch.cat(first_logits), new_rows)
+        # Only now, with nothing left that can fail, do the cache and the rows grow together.
+        self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
         self.rows += new_rows
         self._pending_tokens = torch.cat([self._pending_tokens, chosen])
         self._record(len(self.rows) - len(new_rows), chosen, lps)

@@ -186,10 +186,14 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop:
             self._wake.clear()
-            did = self._run_calls()
-            did |= self._run_training()
-            did |= self._run_sampling()
-            self._expire_sessions()
+            try:
+                did = self._run_calls()
+                did |= self._run_training()
+                did |= self._run_sampling()
+                self._expire_sessions()
+            except Exception:  # a bug: log it and keep serving the other runs
+                log.exception("scheduler iteration failed")
+                did = False
             if not did:
                 self._wake.wait(timeout=1.0)
 
@@ -320,7 +324,14 @@ class Scheduler:
     def _run_sampling(self) -> bool:
         if not self._samples:
             return False
-        self.engine.sample_step()
+        try:
+            self.engine.sample_step()
+        except Exception as e:  # a bug: fail what was sampling, start the samplers afresh
+            for op, _ in self._samples:
+                self._finish(op, error=e)
+            self._samples = []
+            self.engine.reset_sampling()
+            return True
         still = []
         for op, request in self._samples:
             if request.done:

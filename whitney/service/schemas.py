@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class Wire(BaseModel):
@@ -87,7 +87,7 @@ class TensorData(Wire):
 
 
 class ModelInput(Wire):
-    token_ids: list[int] | list[list[int]]
+    token_ids: list[StrictInt] | list[list[StrictInt]]  # strict: true is not token 1
 
 
 class WireDatum(Wire):
@@ -143,8 +143,9 @@ class ExportLora(Wire):
 
 
 class SaveForSampler(Wire):
+    """The version number the result carries is the sampler version's name."""
+
     seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
-    name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
 
 
 class Operation(Out):
@@ -172,7 +173,7 @@ class WeightsRef(Wire):
 
 
 class SampleRequest(WeightsRef):
-    prompt: list[int]
+    prompt: list[StrictInt]
     num_samples: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
@@ -185,7 +186,7 @@ class SampleRequest(WeightsRef):
 
 
 class LogprobsRequest(WeightsRef):
-    sequences: list[list[int]] = Field(min_length=1)
+    sequences: list[list[StrictInt]] = Field(min_length=1)
 
 
 # ---- model packages ------------------------------------------------------------------------

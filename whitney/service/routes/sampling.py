@@ -66,7 +66,12 @@ def sample(body: schemas.SampleRequest, st: State, who: Owner):
 @router.post("/logprobs", response_model=schemas.Operation, status_code=202)
 def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
     """Per-token log-probs of given sequences (the first position has none)."""
-    weights, _ = resolve(st, who, body)
+    weights, base_model = resolve(st, who, body)
+    config = st.scheduler.engine.models[base_model].config
+    for i, seq in enumerate(body.sequences):
+        if not seq or len(seq) > config.max_context or not all(0 <= t < config.vocab_size for t in seq):
+            raise InvalidInput(f"sequence {i} must hold 1 to {config.max_context} token ids in "
+                               f"[0, {config.vocab_size})", field="sequences", datum_index=i)
     op, _ = st.store.submit_operation(who, None, None, "compute_logprobs", "")
     st.scheduler.submit_logprobs(op, body.sequences, weights)
     return op
