@@ -139,7 +139,7 @@ def test_gradient_scale_without_clipping_changes_adam_update_with_small_gradient
     # Adam is scale-invariant except through eps: use eps comparable to the gradient to see the scale.
     seq = _grad_seq(2, seed=9, scale=1e-3)
     hp = AdamParams(learning_rate=1e-2, eps=1e-3, gradient_scale=4.0)
-    ours, _, metrics = _run_ours(hp, seq)
+    ours, _, _ = _run_ours(hp, seq)
     ref, _ = _run_torch(AdamParams(learning_rate=1e-2, eps=1e-3), seq, grad_mult=4.0)
     _assert_weights_close(ours, ref)
     plain, _, _ = _run_ours(AdamParams(learning_rate=1e-2, eps=1e-3), seq)

@@ -318,14 +318,15 @@ class Engine:
                                f"{sorted(run.sampler_versions)}", field="version")
             return run.sampler_versions[version], run.base
         if checkpoint_path is not None:
-            if checkpoint_path not in self._checkpoint_adapters:
-                meta = ckpt.read_manifest(checkpoint_path)
-                base = self.load_model(meta["base_model"])
+            meta = ckpt.read_manifest(checkpoint_path)
+            # Keyed by content too: a checkpoint deleted and saved again at the same path is reloaded.
+            key = f"{checkpoint_path}:{meta['sha256']['adapter.safetensors']}"
+            base = self.load_model(meta["base_model"])
+            if key not in self._checkpoint_adapters:
                 adapter = init_adapter(base, LoraConfig.from_dict(meta["lora"]), self.max_lora_rank)
                 ckpt.load_into(checkpoint_path, adapter, None, base.name)
-                self._checkpoint_adapters[checkpoint_path] = copy_adapter(adapter)
-            adapter = self._checkpoint_adapters[checkpoint_path]
-            return adapter, self.load_model(ckpt.read_manifest(checkpoint_path)["base_model"])
+                self._checkpoint_adapters[key] = copy_adapter(adapter)
+            return self._checkpoint_adapters[key], base
         return None, self.load_model(base_model or DEFAULT_MODEL)
 
     # ---- sampling ------------------------------------------------------------------------
