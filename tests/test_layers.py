@@ -29,7 +29,17 @@ def test_engine_imports_no_http_or_database():
                 f"{path.relative_to(PACKAGE.parent)} imports {name}: the engine must not know HTTP or the database"
 
 
+def test_service_never_imports_torch():
+    # (The client may: forward_backward_custom runs the user's torch loss on the client.)
+    files = sorted((PACKAGE / "service").rglob("*.py"))
+    assert files, "service package not found"
+    for path in files:
+        for name in imported_modules(path):
+            assert not (name == "torch" or name.startswith("torch.") or name.startswith("transformers")), \
+                f"{path.relative_to(PACKAGE.parent)} imports {name}: the service hands plain data to the engine"
+
+
 def test_engine_modules_stay_small():
-    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         lines = len(path.read_text().splitlines())
         assert lines <= 500, f"{path.name} has {lines} lines; split it by job"
