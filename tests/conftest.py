@@ -10,7 +10,18 @@ import torch
 from tests.models import make_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The tiny models' matmuls are too small to share: a second OpenMP thread only adds barrier waits
+# (seconds per test on a busy machine). Tests of the real model ask for more (`torch_threads`).
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def torch_threads():
+    """All cores for the duration of one test (the real 135M model)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -22,15 +22,6 @@ TARGETS = [12, 13, 14, 15, 16]
 RL = {"old_logprobs": [-1.0] * N, "advantages": [0.5, -0.5, 1.0, 0.0, 2.0]}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds barrier waits (seconds per test on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     engine = Engine()

@@ -17,15 +17,6 @@ from whitney.errors import NotFound
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds barrier waits (seconds per test on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _hf(path: str):
     from transformers import AutoModelForCausalLM
 

@@ -18,15 +18,6 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 LR = {"learning_rate": 1e-2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds barrier waits (seconds per test on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def bases(tiny_llama, tiny_qwen3):
     """Each tiny base loaded once for this module; engines below share them (they are never written)."""

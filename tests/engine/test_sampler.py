@@ -21,15 +21,6 @@ P2 = [1, 15, 9000, 31, 4242, 17, 600, 12000, 8]
 P3 = [1, 3030]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds barrier waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- helpers -------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from whitney.engine import DEFAULT_MODEL, AdamParams, Datum, Engine, LoraConfig
 
 
 @pytest.mark.slow
-def test_twenty_sft_steps_lower_the_loss_on_smollm2():
+def test_twenty_sft_steps_lower_the_loss_on_smollm2(torch_threads):
     engine = Engine()
     run = engine.create_run("sft", DEFAULT_MODEL, LoraConfig(rank=8, seed=0))
     datums = [Datum(d["input"]["token_ids"], d["loss_inputs"]) for d in chat_datums(run.base.tokenizer, CHATS[:4])]
