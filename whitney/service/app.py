@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from whitney.engine import DEFAULT_MODEL, Engine
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
-from whitney.service import schemas
+from whitney.service import schemas, tinker
 from whitney.service.deps import ServiceState, Unauthorized
 from whitney.service.routes import capabilities, checkpoints, operations, sampling, sessions
 from whitney.service.scheduler import Scheduler
@@ -65,6 +65,8 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
                                      config.max_request_bytes)
     for module in (capabilities, sessions, operations, sampling, checkpoints):
         app.include_router(module.router, responses=ERRORS)
+    # The Tinker SDK's protocol, over the same state (store, scheduler, engine).
+    app.mount("/api/v1", tinker.create_tinker_app(app.state.whitney))
 
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)
 

@@ -290,6 +290,8 @@ class Scheduler:
 
     def _execute(self, op: dict, p: dict) -> dict:
         run_id, kind, engine = op["run_id"], op["kind"], self.engine
+        if "error" in p:  # refused when it arrived, but it holds its seq_id: it fails in its turn
+            raise p["error"]
         if kind == "optim_step":
             return {"metrics": engine.optim_step(run_id, AdamParams.from_dict(p["adam_params"]))}
         if kind in ("load_state", "load_state_with_optimizer"):

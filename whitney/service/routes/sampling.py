@@ -49,17 +49,23 @@ def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[dict, 
 @router.post("/samples", response_model=schemas.Operation, status_code=202)
 def sample(body: schemas.SampleRequest, st: State, who: Owner):
     """Generate num_samples continuations of a prompt; poll the operation for the sequences."""
-    weights, base_model = resolve(st, who, body)
     params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
                             top_p=body.top_p, seed=body.seed,
                             stop=None if body.stop is None else tuple(tuple(s) if isinstance(s, list) else s
                                                                       for s in body.stop),
                             num_samples=body.num_samples, prompt_logprobs=body.prompt_logprobs,
                             topk_prompt_logprobs=body.topk_prompt_logprobs)
+    return start_sample(st, who, body, body.prompt, params)
+
+
+def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: list[int],
+                 params: SamplingParams) -> dict:
+    """Validate and queue one sampling operation; shared with the Tinker routes."""
+    weights, base_model = resolve(st, who, ref)
     engine = st.scheduler.engine
-    validate(body.prompt, params, engine.models[base_model], engine.max_sequences)  # a 400 now, not a failure later
+    validate(prompt, params, engine.models[base_model], engine.max_sequences)  # a 400 now, not a failure later
     op, _ = st.store.submit_operation(who, None, None, "sample", "")
-    st.scheduler.submit_sample(op, body.prompt, params, weights)
+    st.scheduler.submit_sample(op, prompt, params, weights)
     return op
 
 

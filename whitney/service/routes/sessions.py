@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from whitney.errors import Conflict, InvalidInput
 from whitney.service import schemas
-from whitney.service.deps import Owner, State
+from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.store import new_id
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
@@ -49,6 +49,12 @@ def close_session(session_id: str, st: State, who: Owner):
 @router.post("/sessions/{session_id}/runs", response_model=schemas.Run, status_code=201)
 async def create_run(session_id: str, body: schemas.RunCreate, st: State, who: Owner):
     """A LoRA run on a base model, optionally bound to a checkpoint it resumes from."""
+    return await open_run(st, who, session_id, body)
+
+
+async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.RunCreate,
+                   run_id: str | None = None) -> dict:
+    """Create a run (adapter in the engine first, then the row); shared with the Tinker routes."""
     session = st.store.get_session(session_id, who)
     if session["status"] != "active":
         raise Conflict(f"session {session_id!r} is {session['status']}", field="session_id")
@@ -68,7 +74,7 @@ async def create_run(session_id: str, body: schemas.RunCreate, st: State, who: O
     base_model = base_model or st.models[0]
     if base_model not in st.models:
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
-    run = {"id": new_id("run"), "base_model": base_model, "lora": lora,
+    run = {"id": run_id or new_id("run"), "base_model": base_model, "lora": lora,
            "resume_with_optimizer": bool(body.resume_from and body.resume_from.with_optimizer)}
     # The engine validates the LoRA config against the model; only then is the run recorded.
     await asyncio.wrap_future(st.scheduler.open_run(run, resume_path))

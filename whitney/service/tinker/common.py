@@ -1,0 +1,134 @@
+"""What the Tinker routers share: error mapping, ids and tinker:// paths, samplers, body models.
+
+Ids: a Tinker model id `{session_id}:train:{n}` is the native run id itself, so no mapping table is
+needed; a Tinker request id is the native operation id. Tinker seq_ids count from 1 per model, the
+native ones from 0: native = tinker - 1.
+
+Paths: `tinker://{model_id}/weights/{name}` is the newest saved state of that name (kind "state"),
+`tinker://{model_id}/sampler_weights/{name}` the newest sampler version of that name (kind "sampler").
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ConfigDict
+
+from whitney.errors import InvalidInput, NotFound, WhitneyError
+from whitney.service import schemas
+from whitney.service.deps import ServiceState
+
+NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # the native package-name rule
+SEGMENT_KIND = {"weights": "state", "sampler_weights": "sampler"}
+KIND_SEGMENT = {v: k for k, v in SEGMENT_KIND.items()}
+CHECKPOINT_TYPE = {"state": "training", "sampler": "sampler"}
+
+
+class TinkerBody(BaseModel):
+    """A Tinker request body: newer SDKs add fields, so unknown ones are accepted (and ignored)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+@dataclass
+class Sampler:
+    """A Tinker sampling session: a base model, a tinker:// path, or a save_weights_for_sampler op."""
+
+    owner: str
+    base_model: str
+    model_path: str | None = None
+    op_id: str | None = None  # an ephemeral save_weights_for_sampler: its result names the version
+
+
+@dataclass
+class TinkerState:
+    """In-process Tinker bookkeeping (samplers live as long as the process, like the runs they sample)."""
+
+    samplers: dict[str, Sampler] = field(default_factory=dict)
+    sampler_of_op: dict[str, str] = field(default_factory=dict)  # save_weights_for_sampler op -> sampler id
+    last_n: dict[str, int] = field(default_factory=dict)  # sample op -> prompt_logprobs_last_n
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def tinker_state(request: Request) -> TinkerState:
+    return request.app.state.tinker
+
+
+Tinker = Annotated[TinkerState, Depends(tinker_state)]
+
+
+def model_id(session_id: str, model_seq_id: int) -> str:
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def native_seq(seq_id: int | None) -> int:
+    if not isinstance(seq_id, int) or seq_id < 1 or seq_id >= 2**63:
+        raise InvalidInput(f"seq_id must be an integer from 1, got {seq_id!r}", field="seq_id")
+    return seq_id - 1
+
+
+def tinker_path(package: dict) -> str:
+    return f"tinker://{package['run_id']}/{KIND_SEGMENT[package['kind']]}/{package['name']}"
+
+
+def parse_path(path: str) -> tuple[str, str, str]:
+    """tinker://{model_id}/{weights|sampler_weights}/{name} -> (run id, package kind, name)."""
+    parts = path[len("tinker://"):].split("/") if isinstance(path, str) and path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in SEGMENT_KIND or not parts[0] or not parts[2]:
+        raise InvalidInput(f"{path!r} is not a tinker://<model_id>/<weights|sampler_weights>/<name> path",
+                           field="path")
+    return parts[0], SEGMENT_KIND[parts[1]], parts[2]
+
+
+def packages_named(st: ServiceState, who: str, run_id: str, kind: str, name: str) -> list[dict]:
+    """Every live version of one checkpoint name, oldest first."""
+    st.store.get_run(run_id, who)
+    return [p for p in st.store.list_packages(who, run_id, kind) if p["name"] == name]
+
+
+def resolve_path(st: ServiceState, who: str, path: str) -> dict:
+    """The package a tinker:// path names (its newest version)."""
+    run_id, kind, name = parse_path(path)
+    found = packages_named(st, who, run_id, kind, name)
+    if not found:
+        raise NotFound(f"no checkpoint {path!r}", field="path")
+    return max(found, key=lambda p: p["version"])
+
+
+def sampler_ref(st: ServiceState, sampler: Sampler) -> schemas.WeightsRef:
+    """The native weights reference a sampler samples from."""
+    if sampler.op_id is not None:
+        op = st.store.get_operation(sampler.op_id)
+        if op["status"] != "succeeded":
+            raise InvalidInput(f"the weights of this sampler were not saved (save_weights_for_sampler "
+                               f"is {op['status']})", field="sampling_session_id")
+        return schemas.WeightsRef(run_id=op["run_id"], version=op["result"]["version"])
+    if sampler.model_path is not None:
+        return schemas.WeightsRef(checkpoint_id=resolve_path(st, sampler.owner, sampler.model_path)["id"])
+    return schemas.WeightsRef(base_model=sampler.base_model)
+
+
+def served(st: ServiceState, base_model: str | None) -> str:
+    if base_model is None or base_model not in st.models:
+        raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
+    return base_model
+
+
+def iso(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+
+def checkpoint(package: dict) -> dict[str, Any]:
+    """A package as Tinker's Checkpoint."""
+    return {"checkpoint_id": f"{KIND_SEGMENT[package['kind']]}/{package['name']}",
+            "checkpoint_type": CHECKPOINT_TYPE[package["kind"]], "time": iso(package["created_at"]),
+            "tinker_path": tinker_path(package), "size_bytes": None, "public": False}
+
+
+def error_text(exc: WhitneyError) -> str:
+    return exc.to_dict().get("message", str(exc))

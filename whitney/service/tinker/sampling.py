@@ -1,0 +1,129 @@
+"""Tinker's sampling sessions and asample (compute_logprobs is an asample with prompt log-probs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from whitney.engine.sampler import SamplingParams
+from whitney.errors import InvalidInput, NotFound
+from whitney.service import schemas
+from whitney.service.deps import Owner, State
+from whitney.service.routes.sampling import start_sample
+from whitney.service.tinker.common import (Sampler, Tinker, TinkerBody, resolve_path, sampler_ref,
+                                           served)
+
+router = APIRouter()
+
+
+class CreateSamplingSession(TinkerBody):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(body: CreateSamplingSession, st: State, who: Owner, ts: Tinker) -> dict:
+    st.store.get_session(body.session_id, who)
+    if body.model_path is not None:
+        base_model = resolve_path(st, who, body.model_path)["base_model"]  # checked now: a 404, not a failed sample
+    else:
+        base_model = served(st, body.base_model)
+    sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    with ts.lock:
+        ts.samplers[sampler_id] = Sampler(who, base_model, model_path=body.model_path)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+
+def get_sampler(ts, sampler_id: str, who: str) -> Sampler:
+    sampler = ts.samplers.get(sampler_id)
+    if sampler is None or sampler.owner != who:
+        raise NotFound(f"sampler {sampler_id!r} does not exist", field="sampling_session_id")
+    return sampler
+
+
+@router.get("/samplers/{sampler_id}")
+def sampler_info(sampler_id: str, who: Owner, ts: Tinker) -> dict:
+    sampler = get_sampler(ts, sampler_id, who)
+    return {"sampler_id": sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+
+class Params(TinkerBody):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class Chunk(TinkerBody):
+    type: str = "encoded_text"
+    tokens: list[int] | None = None
+
+
+class Prompt(TinkerBody):
+    chunks: list[Chunk]
+
+
+class ASample(TinkerBody):
+    prompt: Prompt
+    sampling_params: Params
+    num_samples: int = 1
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+
+
+def _unsupported(body: ASample) -> None:
+    """Fields this server cannot honour are refused, never ignored."""
+    for name, given in (("topk_sample_logprobs", body.topk_sample_logprobs), ("prompt_alt_tokens_k",
+                        body.prompt_alt_tokens_k), ("target_prompt_logprobs", body.target_prompt_logprobs),
+                        ("record_stability_info", body.record_stability_info)):
+        if given:
+            raise InvalidInput(f"{name} is not supported by this server", field=name)
+
+
+@router.post("/asample")
+def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
+    _unsupported(body)
+    prompt = []
+    for chunk in body.prompt.chunks:
+        if chunk.type != "encoded_text" or chunk.tokens is None:
+            raise InvalidInput(f"only token chunks are supported, not {chunk.type!r}", field="prompt")
+        prompt.extend(chunk.tokens)
+    if body.sampling_session_id is not None:
+        ref = sampler_ref(st, get_sampler(ts, body.sampling_session_id, who))
+    elif body.model_path is not None:
+        ref = schemas.WeightsRef(checkpoint_id=resolve_path(st, who, body.model_path)["id"])
+    else:
+        ref = schemas.WeightsRef(base_model=served(st, body.base_model))
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and (not body.prompt_logprobs or not 1 <= last_n <= len(prompt) - 1):
+        raise InvalidInput("prompt_logprobs_last_n needs prompt_logprobs and must be in [1, len(prompt) - 1]",
+                           field="prompt_logprobs_last_n")
+    p = body.sampling_params
+    stop = None if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
+    max_tokens = p.max_tokens
+    if max_tokens is None:  # until a stop or the end of the context
+        base = st.scheduler.engine.models.get(ref.base_model or "")
+        max_tokens = (base.config.max_context if base else 2048) - len(prompt)
+    params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                            seed=p.seed, stop=stop, num_samples=body.num_samples,
+                            prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
+                            topk_prompt_logprobs=body.topk_prompt_logprobs)
+    op = start_sample(st, who, ref, prompt, params)
+    if last_n is not None:
+        with ts.lock:
+            ts.last_n[op["id"]] = last_n
+    return {"request_id": op["id"], "sample_sequence_ids": [f"{op['id']}:{i}" for i in range(body.num_samples)]}

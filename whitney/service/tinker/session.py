@@ -1,0 +1,102 @@
+"""Tinker's client setup and session life: client/config, create_session, heartbeats, telemetry, finish."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from whitney.errors import Conflict
+from whitney.service.deps import Owner, State
+from whitney.service.tinker.common import Tinker, TinkerBody
+
+router = APIRouter()
+
+
+@router.post("/client/config")
+def client_config() -> dict:
+    """Feature flags: the SDK's defaults suit us (JSON sampling polls, no zstd, client-side custom losses)."""
+    return {}
+
+
+@router.post("/client/dynamic_config")
+def client_dynamic_config() -> dict:
+    return {}
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+def get_server_capabilities(st: State) -> dict:
+    engine = st.scheduler.engine
+    return {"supported_models": [{"model_name": name, "max_context_length": engine.models[name].config.max_context,
+                                  "trainable": True, "sampleable": True} for name in st.models]}
+
+
+class CreateSession(TinkerBody):
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+@router.post("/create_session")
+def create_session(body: CreateSession, st: State, who: Owner) -> dict:
+    metadata = dict(body.user_metadata or {})
+    extra = {"tags": body.tags, "project_id": body.project_id, "display_name": body.display_name,
+             "sdk_version": body.sdk_version}
+    session = st.store.create_session(who, {**metadata, **({"_tinker": extra})})
+    return {"type": "create_session", "session_id": session["id"]}
+
+
+class SessionRef(TinkerBody):
+    session_id: str
+
+
+@router.post("/session_heartbeat")
+def session_heartbeat(body: SessionRef, st: State, who: Owner):
+    """410 once the session has ended: the SDK then stops its heartbeat loop."""
+    try:
+        st.store.heartbeat(body.session_id, who)
+    except Conflict as e:
+        return JSONResponse(status_code=410, content=e.to_dict())
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/telemetry")
+def telemetry() -> dict:
+    """Accepted and dropped: telemetry is for the hosted service."""
+    return {"status": "accepted"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, st: State, who: Owner) -> dict:
+    """End the session: each active run finishes (what it has queued still runs). First finish wins."""
+    st.store.get_session(session_id, who)
+    st.store.end_session(session_id, "closed")
+    for run in st.store.runs_of_session(session_id):
+        if st.store.set_run_status(run["id"], "finishing", only_from=("active",)):
+            await asyncio.wrap_future(st.scheduler.finish_run(run["id"]))
+    return {}
+
+
+@router.get("/sessions")
+def list_sessions(st: State, who: Owner) -> dict:
+    return {"sessions": [s["id"] for s in st.store.list_sessions(who)]}
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, st: State, who: Owner, ts: Tinker) -> dict:
+    session = st.store.get_session(session_id, who)
+    metadata = {k: v for k, v in session["user_metadata"].items() if k != "_tinker"}
+    tinker = ts.samplers
+    return {"training_run_ids": [r["id"] for r in st.store.runs_of_session(session_id)],
+            "sampler_ids": [k for k in tinker if k.startswith(f"{session_id}:")],
+            "user_metadata": metadata, "display_name": (session["user_metadata"].get("_tinker") or {}).get(
+                "display_name")}

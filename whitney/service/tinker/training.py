@@ -1,0 +1,259 @@
+"""Tinker's training calls, each mapped onto the native run operations (same store rows, same scheduler queue).
+
+Every call that carries a seq_id holds that place in the run's order even when it is refused: a
+refusal found here becomes an operation that fails in its turn (category "user"), so the requests
+the SDK already sent behind it still run. forward_backward is validated by the engine in its turn
+for the same reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from whitney.errors import InvalidInput, WhitneyError
+from whitney.service import schemas
+from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.routes.operations import active_run
+from whitney.service.routes.sessions import open_run
+from whitney.service.scheduler import build_datums
+from whitney.service.store import digest
+from whitney.service.tinker import proto
+from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, model_id, native_seq,
+                                           resolve_path, served, tinker_path)
+
+router = APIRouter()
+
+
+def future(op: dict, **extra: Any) -> dict:
+    """Tinker's UntypedAPIFuture for an operation."""
+    return {"request_id": op["id"], **extra}
+
+
+def finished_op(st: ServiceState, who: str, kind: str, result: dict) -> dict:
+    """An operation that is done when created (create_model, create-by-load), so retrieve_future answers it."""
+    op, _ = st.store.submit_operation(who, None, None, kind, "")
+    st.store.set_operation(op["id"], "succeeded", result={"tinker": result})
+    return op
+
+
+def submit(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str,
+           payload: dict) -> dict:
+    """Record (run, native seq_id) and queue it; a resend with the same body is the same operation."""
+    seq = native_seq(seq_id)
+    active_run(st, who, run_id, seq)
+    op, created = st.store.submit_operation(who, run_id, seq, kind, digest({"kind": kind, "body": body_digest}))
+    if created:
+        st.scheduler.submit(op, payload)
+    return op
+
+
+# ---- models --------------------------------------------------------------------------------
+
+class LoraConfig(TinkerBody):
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModel(TinkerBody):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    optimizer_config: dict[str, Any] | None = None
+
+
+def _check_optimizer(config: dict | None) -> None:
+    if config is not None and config.get("type", "adamw") != "adamw":
+        raise InvalidInput(f"optimizer {config.get('type')!r} is not supported; only adamw", field="optimizer_config")
+
+
+@router.post("/create_model")
+async def create_model(body: CreateModel, st: State, who: Owner) -> dict:
+    """A LoRA run whose id is the Tinker model id; the future's result is {model_id}."""
+    _check_optimizer(body.optimizer_config)
+    run_id = model_id(body.session_id, body.model_seq_id)
+    lora = body.lora_config or LoraConfig()
+    try:
+        st.store.get_run(run_id, who)  # a resent create_model: the run exists
+    except WhitneyError:
+        seed = lora.seed if lora.seed is not None else random.randrange(2**31)
+        spec = schemas.LoraSpec(rank=lora.rank, seed=seed, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
+                                train_unembed=lora.train_unembed)
+        await open_run(st, who, body.session_id, schemas.RunCreate(
+            base_model=served(st, body.base_model), lora=spec, user_metadata=body.user_metadata or {}), run_id)
+    op = finished_op(st, who, "create_model", {"model_id": run_id, "type": "create_model"})
+    return future(op, model_id=run_id)
+
+
+class ModelRef(TinkerBody):
+    model_id: str
+
+
+@router.post("/get_info")
+def get_info(body: ModelRef, st: State, who: Owner) -> dict:
+    run = st.store.get_run(body.model_id, who)
+    base = run["base_model"]
+    return {"type": "get_info", "model_id": run["id"], "is_lora": True, "lora_rank": run["lora"]["rank"],
+            "model_name": base, "model_data": {"model_name": base, "tokenizer_id": base}}
+
+
+# ---- forward, forward_backward and optim_step ------------------------------------------------
+
+def loss_config(loss_fn: str, config: dict) -> dict:
+    """Tinker's loss parameters: cispo's default bounds are Tinker's absolute 0.8 / 1.2."""
+    if loss_fn == "cispo" and not {"eps_max", "clip_low_threshold", "clip_high_threshold"} & set(config):
+        return {**config, "clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    return config
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, st: State, who: Owner) -> dict:
+    """A protobuf ForwardBackwardRequest; forward() is the same call with forward_only."""
+    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+        raise InvalidInput("compressed forward_backward bodies are not supported (client/config does not ask "
+                           "for them)", field="content-encoding")
+    raw = await request.body()
+    req = proto.decode_forward_backward(raw)
+    kind = "forward" if req.forward_only else "forward_backward"
+    data = build_datums(req.data)
+    payload = {"data": data, "loss_fn": req.loss_fn, "loss_config": loss_config(req.loss_fn, req.loss_fn_config),
+               "tokens": sum(len(d["input"]["token_ids"]) for d in req.data)}
+    op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), payload)
+    return future(op, model_id=req.model_id)
+
+
+class OptimStep(TinkerBody):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: dict[str, Any] | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+ADAM_KEYS = {"learning_rate": "learning_rate", "beta1": "beta1", "beta2": "beta2", "eps": "eps",
+             "weight_decay": "weight_decay", "grad_clip_norm": "gradient_clip_norm"}
+
+
+@router.post("/optim_step")
+def optim_step(body: OptimStep, st: State, who: Owner) -> dict:
+    payload: dict[str, Any]
+    if body.adam_params is None:
+        payload = {"error": InvalidInput("only adam_params are supported", field="optimizer_params")}
+    else:
+        payload = {"adam_params": {ADAM_KEYS[k]: v for k, v in body.adam_params.items() if k in ADAM_KEYS}}
+    op = submit(st, who, body.model_id, body.seq_id, "optim_step", digest(body.model_dump()), payload)
+    return future(op, model_id=body.model_id)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+class SaveWeights(TinkerBody):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    sampling_session_seq_id: int | None = None
+    kind: str | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+def _name_payload(name: str | None, **payload: Any) -> dict:
+    if name is not None and not NAME.match(name):
+        return {"error": InvalidInput(f"checkpoint name {name!r} must be 1-200 of A-Z a-z 0-9 . _ -", field="path")}
+    return {**payload, **({"name": name} if name is not None else {})}
+
+
+@router.post("/save_weights")
+def save_weights(body: SaveWeights, st: State, who: Owner) -> dict:
+    """save_state: adapter and optimizer, as tinker://{model_id}/weights/{name}."""
+    name = body.path if body.path is not None else f"state-{body.seq_id}"
+    payload = _name_payload(name, include_optimizer=True)
+    op = submit(st, who, body.model_id, body.seq_id, "save_state", digest(body.model_dump()), payload)
+    return future(op, model_id=body.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+def save_weights_for_sampler(body: SaveWeights, st: State, who: Owner, ts: Tinker) -> dict:
+    """A frozen sampler version: named (a tinker:// path comes back) or not (a sampling session comes back)."""
+    op = submit(st, who, body.model_id, body.seq_id, "save_weights_for_sampler", digest(body.model_dump()),
+                _name_payload(body.path))
+    if body.path is None:
+        run = st.store.get_run(body.model_id, who)
+        sampler_id = f"{body.model_id}:sampler:{body.seq_id}"
+        with ts.lock:
+            ts.samplers[sampler_id] = Sampler(who, run["base_model"], op_id=op["id"])
+            ts.sampler_of_op[op["id"]] = sampler_id
+    return future(op, model_id=body.model_id)
+
+
+class LoadWeights(TinkerBody):
+    path: str
+    optimizer: bool = False
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    weights_access_token: str | None = None
+
+
+@router.post("/load_weights")
+async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
+    """Into an existing model (model_id + seq_id: load_state in order), or a new model created from the
+    checkpoint (session_id + model_seq_id: base model and LoRA config come from the checkpoint)."""
+    kind = "load_state_with_optimizer" if body.optimizer else "load_state"
+    if body.session_id is not None:
+        if body.model_id is not None:
+            raise InvalidInput("give model_id or session_id, not both", field="session_id")
+        if body.model_seq_id is None:
+            raise InvalidInput("session_id needs model_seq_id", field="model_seq_id")
+        _check_optimizer(body.optimizer_config)
+        package = resolve_path(st, who, body.path)
+        run_id = model_id(body.session_id, body.model_seq_id)
+        try:
+            st.store.get_run(run_id, who)
+        except WhitneyError:
+            await open_run(st, who, body.session_id, schemas.RunCreate(
+                base_model=body.base_model, user_metadata=body.user_metadata or {},
+                resume_from=schemas.ResumeFrom(checkpoint_id=package["id"], with_optimizer=body.optimizer)), run_id)
+        op = finished_op(st, who, kind, {"path": body.path, "model_id": run_id, "type": "load_weights"})
+        return future(op, model_id=run_id)
+    if body.model_id is None:
+        raise InvalidInput("load_weights needs model_id (with seq_id) or session_id (with model_seq_id)",
+                           field="model_id")
+    try:
+        package = resolve_path(st, who, body.path)
+        if body.optimizer and not package["has_optimizer"]:
+            raise InvalidInput("the checkpoint has no optimizer state; use load_state", field="path")
+        payload = {"path": package["path"], "checkpoint_id": package["id"]}
+    except WhitneyError as e:
+        payload = {"error": e}
+    op = submit(st, who, body.model_id, body.seq_id, kind, digest(body.model_dump()), payload)
+    return future(op, model_id=body.model_id)
+
+
+def result(op: dict, st: ServiceState) -> dict:
+    """A finished training operation's result as Tinker's JSON response for its kind."""
+    r = op["result"] or {}
+    if "tinker" in r:
+        return r["tinker"]
+    kind = op["kind"]
+    if kind == "optim_step":
+        return {"metrics": r.get("metrics") or {}}
+    if kind == "save_state":
+        return {"path": tinker_path(r["package"]), "type": "save_weights"}
+    if kind == "save_weights_for_sampler":
+        return {"path": tinker_path(r["package"]), "type": "save_weights_for_sampler"}
+    if kind in ("load_state", "load_state_with_optimizer"):
+        package = st.store.get_package(r["checkpoint_id"])
+        return {"path": tinker_path(package), "model_id": op["run_id"], "type": "load_weights"}
+    return r
