@@ -28,6 +28,7 @@ from whitney.errors import InvalidInput
 
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
 _DTYPE_NAMES = {DTYPE_FLOAT32: "float32", DTYPE_INT64: "int64", DTYPE_INT32: "int32"}
+TOPK_MASK = -99999.0
 _STRUCT = {DTYPE_FLOAT32: "f", DTYPE_INT64: "q", DTYPE_INT32: "i"}
 
 
@@ -261,13 +262,14 @@ def encode_forward_backward_output(result: dict) -> bytes:
 
 
 def _topk(rows: list[list[tuple[int, float]] | None]) -> bytes:
-    """TopkLogprobs [length, k], row-major; rows with no entries (the first prompt position) padded -1/NaN."""
+    """TopkLogprobs [length, k], row-major; missing entries (the first prompt position) are the SDK's
+    sentinel, token 0 with log-prob -99999."""
     k = max((len(r) for r in rows if r), default=0)
     ids, lps = [], []
     for r in rows:
         r = list(r or [])
-        ids.extend([t for t, _ in r] + [-1] * (k - len(r)))
-        lps.extend([lp for _, lp in r] + [math.nan] * (k - len(r)))
+        ids.extend([t for t, _ in r] + [0] * (k - len(r)))
+        lps.extend([lp for _, lp in r] + [TOPK_MASK] * (k - len(r)))
     return _len(1, _i32(ids)) + _len(2, _f32(lps)) + _int(3, k) + _int(4, len(rows))
 
 

@@ -23,7 +23,7 @@ from whitney.service.scheduler import build_datums
 from whitney.service.store import digest
 from whitney.service.tinker import proto
 from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, model_id, native_seq,
-                                           resolve_path, served, tinker_path)
+                                           packages_named, resolve_path, served, tinker_path)
 
 router = APIRouter()
 
@@ -160,7 +160,8 @@ class SaveWeights(TinkerBody):
     seq_id: int | None = None
     sampling_session_seq_id: int | None = None
     kind: str | None = None
-    ttl_seconds: int | None = None
+    overwrite: bool = False
+    ttl_seconds: int | None = None  # accepted; checkpoints here never expire
     user_metadata: dict[str, Any] | None = None
 
 
@@ -175,6 +176,9 @@ def save_weights(body: SaveWeights, st: State, who: Owner) -> dict:
     """save_state: adapter and optimizer, as tinker://{model_id}/weights/{name}."""
     name = body.path if body.path is not None else f"state-{body.seq_id}"
     payload = _name_payload(name, include_optimizer=True)
+    if not body.overwrite and packages_named(st, who, body.model_id, "state", name):
+        payload = {"error": InvalidInput(f"checkpoint {name!r} exists; save with overwrite=True to replace it",
+                                         field="path")}
     op = submit(st, who, body.model_id, body.seq_id, "save_state", digest(body.model_dump()), payload)
     return future(op, model_id=body.model_id)
 
