@@ -45,21 +45,21 @@ def main() -> None:
     for step in range(args.steps):
         version = student.save_weights_for_sampler().result()["version"]
         samples = [student.sample(p, version, num_samples=args.samples, max_tokens=24, seed=step) for p in prompts]
+        rollouts = [(prompt, s) for prompt, future in zip(prompts, samples) for s in future.result()["sequences"]]
+        teacher = client.compute_logprobs([p + s["tokens"] for p, s in rollouts],  # one request for all
+                                          checkpoint_id=args.teacher_checkpoint,
+                                          base_model=None if args.teacher_checkpoint else args.model).result()
         data, kl, count = [], 0.0, 0
-        for prompt, future in zip(prompts, samples):
-            for s in future.result()["sequences"]:
-                full = prompt + s["tokens"]
-                teacher = client.compute_logprobs([full], checkpoint_id=args.teacher_checkpoint,
-                                                  base_model=None if args.teacher_checkpoint else args.model)
-                teacher_lp = teacher.result()["logprobs"][0][len(prompt):]  # the completion's tokens
-                advantages = [t - q for t, q in zip(teacher_lp, s["logprobs"])]
-                kl += -sum(advantages)
-                count += len(advantages)
-                pad = len(prompt) - 1
-                data.append({"input": {"token_ids": full[:-1]}, "loss_inputs": {
-                    "target_tokens": tensor(full[1:], "int64"),
-                    "old_logprobs": tensor([0.0] * pad + s["logprobs"], "float32"),
-                    "advantages": tensor([0.0] * pad + advantages, "float32")}})
+        for (prompt, s), teacher_lp in zip(rollouts, teacher["logprobs"]):
+            full = prompt + s["tokens"]
+            advantages = [t - q for t, q in zip(teacher_lp[len(prompt):], s["logprobs"])]  # completion tokens
+            kl += -sum(advantages)
+            count += len(advantages)
+            pad = len(prompt) - 1
+            data.append({"input": {"token_ids": full[:-1]}, "loss_inputs": {
+                "target_tokens": tensor(full[1:], "int64"),
+                "old_logprobs": tensor([0.0] * pad + s["logprobs"], "float32"),
+                "advantages": tensor([0.0] * pad + advantages, "float32")}})
         student.forward_backward(data, "importance_sampling")
         student.optim_step(learning_rate=args.learning_rate).result()
         print(f"step {step}: reverse KL estimate per token {kl / max(count, 1):.4f}", flush=True)
