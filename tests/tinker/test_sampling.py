@@ -16,8 +16,8 @@ PROMPT = [1, 17, 250, 4000, 12, 99]
 @pytest.fixture(scope="module")
 def trained(service_client, tinker_env, tiny_llama):
     """A Tinker model and a native run trained identically one step, each with a saved sampler version."""
-    client = whitney.Client(tinker_env.url)
-    native_session = client.create_session()
+    native_client = whitney.Client(tinker_env.url)
+    native_session = native_client.create_session()
     tc = service_client.create_lora_training_client(base_model=tiny_llama, rank=RANK, seed=SEED).result()
     run = native_session.create_run(tiny_llama, rank=RANK, seed=SEED)
     items = arrays("cross_entropy")
@@ -27,9 +27,9 @@ def trained(service_client, tinker_env, tiny_llama):
     run.optim_step(learning_rate=5e-2).result()
     path = tc.save_weights_for_sampler("s1").result().path
     version = run.save_weights_for_sampler().result()["version"]
-    yield {"tc": tc, "run": run, "path": path, "version": version, "client": client}
+    yield {"tc": tc, "run": run, "path": path, "version": version, "client": native_client}
     native_session.close()
-    client.close()
+    native_client.close()
 
 
 def native_sample(trained, **params):
@@ -120,3 +120,14 @@ def test_sampling_an_unknown_path_is_a_user_error(service_client, trained):
     with pytest.raises(tinker.NotFoundError):
         service_client.create_sampling_client(
             model_path=f"tinker://{trained['tc'].model_id}/sampler_weights/nope").result()
+
+
+def test_sampler_handle_and_pickle(service_client, trained):
+    """A client rebuilt in another process (handle or pickle) samples the same sampler: seq_ids from a
+    random clone id (near 10^18) are no problem, since sampling is not ordered."""
+    import pickle
+
+    sc = service_client.create_sampling_client(model_path=trained["path"]).result()
+    expected = sc.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
+    for clone in (tinker.SamplingClient.from_sampler_handle(sc.get_sampler_handle()), pickle.loads(pickle.dumps(sc))):
+        close(clone.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:], expected[1:])

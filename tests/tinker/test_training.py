@@ -19,11 +19,11 @@ RANK, SEED = 4, 11
 
 @pytest.fixture(scope="module")
 def native(tinker_env):
-    client = whitney.Client(tinker_env.url)
-    session = client.create_session()
-    yield session
-    session.close()
-    client.close()
+    native_client = whitney.Client(tinker_env.url)
+    native_session = native_client.create_session()
+    yield native_session
+    native_session.close()
+    native_client.close()
 
 
 def pair(service_client, native, tiny_llama, **lora):
