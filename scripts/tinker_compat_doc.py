@@ -101,6 +101,11 @@ def run_tests(junit: Path) -> None:
                    cwd=ROOT, env=env, check=False)
 
 
+def skipped(junit: Path) -> set[str]:
+    return {f"{c.get('classname', '').rsplit('.', 1)[-1]}.py::{c.get('name', '')}"
+            for c in ET.parse(junit).getroot().iter("testcase") if any(ch.tag == "skipped" for ch in c)}
+
+
 def outcomes(junit: Path) -> dict[str, bool]:
     """'file.py::test_name' -> passed (a parametrized test passes when every case passed)."""
     result: dict[str, bool] = {}
@@ -115,7 +120,7 @@ def outcomes(junit: Path) -> dict[str, bool]:
     return result
 
 
-def render(methods, calls, passed) -> str:
+def render(methods, calls, passed, skips) -> str:
     import tinker
 
     lines = [
@@ -151,7 +156,14 @@ def render(methods, calls, passed) -> str:
             shown = ", ".join(f"`{t.split('::')[1]}`" for t in tests[:4]) + (" ..." if len(tests) > 4 else "")
             lines.append(f"| {label} | {status} | {shown or note} |")
         lines.append("")
-    lines += ["## Totals", "", " · ".join(f"{k}: {v}" for k, v in totals.items()), "", NOTES]
+    lines += ["## Totals", "", " · ".join(f"{k}: {v}" for k, v in totals.items()), ""]
+    lines += ["## tinker-cookbook 0.6.1 recipes", "",
+              "Run unmodified, offline, by `tests/tinker/test_cookbook.py` (skipped unless the cookbook is "
+              "installed; its docstring says how, since `tml-renderers` is not on PyPI).", ""]
+    for test in sorted(t for t in calls if t.startswith("test_cookbook.py::")):
+        status = "skipped" if test in skips else "pass" if passed.get(test) else "FAIL"
+        lines.append(f"- `{test.split('::')[1]}`: {status}")
+    lines += ["", NOTES]
     return "\n".join(lines)
 
 
@@ -172,6 +184,8 @@ NOTES = """## Behaviour worth knowing
 - `save_state` honours `overwrite` (without it an existing name is refused); `ttl_seconds` and checkpoint
   `user_metadata` are accepted and not kept. Sampling sessions live in the server process.
 - A clash with the state is a 400, never a 409: the SDK retries 409 and 5xx for minutes.
+- Recipes: `math_rl` defaults to `loss_fn=stable_reinforce`, which is not served; pass
+  `loss_fn=importance_sampling` (or ppo, cispo, dro). A local model directory works as `model_name`.
 """
 
 
@@ -185,7 +199,7 @@ def main() -> int:
     if junit is None:
         junit = Path(tempfile.mkdtemp()) / "tinker.xml"
         run_tests(junit)
-    text = render(sdk_methods(), calls_by_test(), outcomes(junit))
+    text = render(sdk_methods(), calls_by_test(), outcomes(junit), skipped(junit))
     if args.check:
         return 0 if DOC.exists() and DOC.read_text() == text else 1
     DOC.write_text(text)
