@@ -10,7 +10,7 @@ from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput, NotFound
 from whitney.service import schemas
 from whitney.service.deps import Owner, State
-from whitney.service.routes.sampling import start_sample
+from whitney.service.routes.sampling import resolve, start_sample
 from whitney.service.tinker.common import (Sampler, Tinker, TinkerBody, resolve_path, sampler_ref,
                                            served)
 
@@ -116,8 +116,8 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     stop = None if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
     max_tokens = p.max_tokens
     if max_tokens is None:  # until a stop or the end of the context
-        base = st.scheduler.engine.models.get(ref.base_model or "")
-        max_tokens = (base.config.max_context if base else 2048) - len(prompt)
+        _, base_model = resolve(st, who, ref)
+        max_tokens = st.scheduler.engine.models[base_model].config.max_context - len(prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                             seed=p.seed, stop=stop, num_samples=body.num_samples,
                             prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,

@@ -48,10 +48,8 @@ class CreateSession(TinkerBody):
 
 @router.post("/create_session")
 def create_session(body: CreateSession, st: State, who: Owner) -> dict:
-    metadata = dict(body.user_metadata or {})
-    extra = {"tags": body.tags, "project_id": body.project_id, "display_name": body.display_name,
-             "sdk_version": body.sdk_version}
-    session = st.store.create_session(who, {**metadata, **({"_tinker": extra})})
+    """A native session with the caller's user_metadata (tags, project and display name are not kept)."""
+    session = st.store.create_session(who, dict(body.user_metadata or {}))
     return {"type": "create_session", "session_id": session["id"]}
 
 
@@ -94,9 +92,6 @@ def list_sessions(st: State, who: Owner) -> dict:
 @router.get("/sessions/{session_id}")
 def get_session(session_id: str, st: State, who: Owner, ts: Tinker) -> dict:
     session = st.store.get_session(session_id, who)
-    metadata = {k: v for k, v in session["user_metadata"].items() if k != "_tinker"}
-    tinker = ts.samplers
     return {"training_run_ids": [r["id"] for r in st.store.runs_of_session(session_id)],
-            "sampler_ids": [k for k in tinker if k.startswith(f"{session_id}:")],
-            "user_metadata": metadata, "display_name": (session["user_metadata"].get("_tinker") or {}).get(
-                "display_name")}
+            "sampler_ids": [k for k, v in ts.samplers.items() if k.startswith(f"{session_id}:") and v.owner == who],
+            "user_metadata": session["user_metadata"]}

@@ -258,6 +258,9 @@ def result(op: dict, st: ServiceState) -> dict:
     if kind == "save_weights_for_sampler":
         return {"path": tinker_path(r["package"]), "type": "save_weights_for_sampler"}
     if kind in ("load_state", "load_state_with_optimizer"):
-        package = st.store.get_package(r["checkpoint_id"])
-        return {"path": tinker_path(package), "model_id": op["run_id"], "type": "load_weights"}
+        try:
+            path = tinker_path(st.store.get_package(r["checkpoint_id"]))
+        except WhitneyError:  # deleted since: the load happened all the same
+            path = None
+        return {"path": path, "model_id": op["run_id"], "type": "load_weights"}
     return r
