@@ -124,29 +124,40 @@ def validate(prompt: list[int], params: SamplingParams, base: BaseModel, max_sam
 def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of each row from logits [B, V] with that row's own settings and generator.
 
+    Greedy rows (temperature 0 or top_k 1) take the argmax. The others are sampled together: scale by
+    temperature, keep each row's top_k and top_p nucleus, then invert the row's CDF at one uniform
+    drawn from the row's own generator, so a row's choice never depends on the rest of the batch.
     Returns tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1).
     """
     logprobs = full_logprobs(logits)  # [B, V]
-    chosen = torch.empty(len(rows), dtype=torch.int64)
-    for b, row in enumerate(rows):
-        p = row.request.params
-        if p.temperature == 0 or p.top_k == 1:
-            chosen[b] = int(torch.argmax(logits[b]))
-            continue
-        # Shift so the top score is 0 (x / t overflows to inf for tiny t) and floor t where 1 / t would
-        # overflow float32; below 1e-30 every logit gap is already decisive, so the floor changes nothing.
-        scores = logits[b].float()
-        scores = (scores - scores.max()) / max(p.temperature, 1e-30)  # [V]
-        if p.top_k > 1:
-            kth = torch.topk(scores, min(p.top_k, scores.shape[0])).values[-1]
+    chosen = torch.argmax(logits, dim=-1)  # [B]
+    params = [r.request.params for r in rows]
+    sampled = [b for b, p in enumerate(params) if p.temperature > 0 and p.top_k != 1]
+    if sampled:
+        idx = torch.tensor(sampled)
+        scores = logits[idx].float()  # [S, V]
+        temps = torch.tensor([params[b].temperature for b in sampled], dtype=torch.float32)
+        # Max subtracted first so that a tiny temperature cannot overflow to inf.
+        scores = (scores - scores.max(-1, keepdim=True).values) / temps.clamp(min=1e-30)[:, None]
+        ks = torch.tensor([params[b].top_k if params[b].top_k > 1 else 0 for b in sampled])
+        if bool((ks > 0).any()):
+            top = torch.topk(scores, int(ks.max()), dim=-1).values  # [S, kmax]
+            kth = top.gather(1, (ks - 1).clamp(min=0)[:, None])  # [S, 1]
+            kth = torch.where(ks[:, None] > 0, kth, torch.full_like(kth, -math.inf))
             scores = scores.masked_fill(scores < kth, -math.inf)
-        probs = torch.softmax(scores, dim=-1)
-        if p.top_p < 1:
-            sorted_p, order = torch.sort(probs, descending=True)
+        probs = torch.softmax(scores, dim=-1).double()  # [S, V]
+        top_ps = torch.tensor([params[b].top_p for b in sampled], dtype=torch.float64)
+        if bool((top_ps < 1).any()):
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
-            probs = probs.scatter(0, order[drop], 0.0)
-        chosen[b] = int(torch.multinomial(probs, 1, generator=row.generator))
+            drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_ps[:, None]
+            probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        cdf = torch.cumsum(probs, dim=-1)
+        cdf = cdf / cdf[:, -1:]
+        u = torch.cat([torch.rand(1, generator=rows[b].generator, dtype=torch.float64) for b in sampled])
+        # right=True: the first token whose cumulative mass exceeds u; a zero-probability token never is.
+        picks = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+        chosen[idx] = picks
     return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
 
 

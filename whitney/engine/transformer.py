@@ -158,13 +158,14 @@ def decode_hidden(base: BaseModel, tokens: torch.Tensor, groups, cache: KVCache)
     pos = cache.lengths  # [B] position of the new token in each row
     S = int(pos.max()) + 1
     cache.grow(S)
-    rows = torch.arange(tokens.shape[0])
+    cfg_kv = (tokens.shape[0], cfg.num_kv_heads, 1, cfg.head_dim)
+    write_at = pos.view(-1, 1, 1, 1).expand(cfg_kv)  # [B, G, 1, E]: each row's slot for the new key
     cos, sin = rope_tables(base, pos[:, None], base.compute_dtype)  # [B, 1, 1, E]
     mask = (torch.arange(S)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, S]
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache.k[layer][rows, :, pos] = k[:, :, 0]
-        cache.v[layer][rows, :, pos] = v[:, :, 0]
+        cache.k[layer].scatter_(2, write_at, k.to(cache.k[layer].dtype))
+        cache.v[layer].scatter_(2, write_at, v.to(cache.v[layer].dtype))
         return F.scaled_dot_product_attention(q, cache.k[layer][:, :, :S], cache.v[layer][:, :, :S],
                                               attn_mask=mask, scale=cfg.head_dim ** -0.5,
                                               enable_gqa=cfg.num_heads != cfg.num_kv_heads)
