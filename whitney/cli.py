@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--db-url", default=None, help="SQLAlchemy URL (default sqlite in the data dir)")
     serve.add_argument("--api-key", action="append", default=[], help="required bearer key (repeatable)")
     serve.add_argument("--session-timeout", type=float, default=600.0, help="seconds without heartbeat")
+    serve.add_argument("--max-lora-rank", type=int, default=128)
+    serve.add_argument("--max-sequences", type=int, default=256, help="sampling: concurrent sequences")
+    serve.add_argument("--max-cached-tokens", type=int, default=262_144, help="sampling: KV-cache tokens")
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -50,7 +53,8 @@ def serve_main(args) -> int:
     from whitney.service.app import ServiceConfig, create_app
 
     config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
-                           session_timeout=args.session_timeout)
+                           session_timeout=args.session_timeout, max_lora_rank=args.max_lora_rank,
+                           max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens)
     if args.data_dir:
         config.data_dir = Path(args.data_dir)
     app = create_app(config)

@@ -40,6 +40,8 @@ class ServiceConfig:
     max_batch_tokens: int = 16384
     session_timeout: float = 600.0
     max_lora_rank: int = 128
+    max_sequences: int = 256  # sampling: concurrent sequences per base model (more wait in a queue)
+    max_cached_tokens: int = 262_144  # sampling: KV-cache tokens per base model
 
 
 def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
@@ -48,7 +50,8 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}")
     store.recover_after_restart()
-    engine = engine or Engine(max_lora_rank=config.max_lora_rank)
+    engine = engine or Engine(max_lora_rank=config.max_lora_rank, max_sequences=config.max_sequences,
+                              max_cached_tokens=config.max_cached_tokens)
     for name in config.models:
         engine.load_model(name)
     scheduler = Scheduler(engine, store, data_dir, config.max_batch_tokens, config.session_timeout)
