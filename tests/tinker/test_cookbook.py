@@ -1,9 +1,8 @@
 """tinker-cookbook 0.6.1 recipes, unmodified, against Whitney, offline: math_rl (arithmetic) and chat_sl (with a resume).
 
-Skipped unless the cookbook is installed. `pip install tinker-cookbook==0.6.1` fails (tml-renderers is not
-on PyPI), so: pip install --no-deps tinker-cookbook==0.6.1 aiohttp blobfile chz cloudpickle datasets pyrage
-termcolor tiktoken pillow math-verify pylatexenc. The tiny model's directory is its own tokenizer, and the
-role_colon renderer needs no tml-renderers.
+`make test` installs the cookbook (`pip install tinker-cookbook==0.6.1` fails: tml-renderers is not on
+PyPI, so the Makefile installs it with --no-deps plus the dependencies these recipes use). The tiny
+model's directory is its own tokenizer, and the role_colon renderer needs no tml-renderers.
 """
 
 from __future__ import annotations
@@ -12,11 +11,7 @@ import asyncio
 import json
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("tinker_cookbook")
-for _module in ("math_verify", "chz", "datasets", "tiktoken", "PIL"):
-    pytest.importorskip(_module)
+import tinker_cookbook  # noqa: F401  (installed by `make test`: a missing install fails, never skips)
 
 
 def rows(path: Path) -> list[dict]:
