@@ -11,7 +11,7 @@ import asyncio
 import json
 from pathlib import Path
 
-import tinker_cookbook  # noqa: F401  (installed by `make test`: a missing install fails, never skips)
+import tinker_cookbook  # installed by `make test`: a missing install fails, never skips
 
 
 def rows(path: Path) -> list[dict]:
@@ -34,7 +34,6 @@ def test_math_rl_arithmetic(tinker_env, tiny_llama, tmp_path):
 
 
 def test_chat_sl_and_resume(tinker_env, tiny_llama, tmp_path):
-    import tinker_cookbook
     from tinker_cookbook.recipes.chat_sl import train
 
     data = str(Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl")

@@ -23,7 +23,7 @@ import torch
 from whitney.engine.lora import Adapter, RowGroups
 from whitney.engine.model import BaseModel, full_logprobs
 from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, unembed
-from whitney.errors import InvalidInput, check
+from whitney.errors import check
 
 MAX_TOPK_PROMPT_LOGPROBS = 100
 

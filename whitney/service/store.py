@@ -9,6 +9,7 @@ Functions take and return plain dicts; routes and the scheduler never see rows.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -19,7 +20,7 @@ from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text,
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from whitney.errors import Conflict, InvalidInput, NotFound
+from whitney.errors import Conflict, NotFound
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 RUN_TERMINAL = ("finished", "cancelled", "failed", "interrupted")
@@ -320,11 +321,5 @@ class Store:
 
 def digest(body: dict) -> str:
     """A stable digest of a request body, for idempotent retries."""
-    import hashlib
-
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-
-def check_seq_id(seq_id: int) -> None:
-    if not isinstance(seq_id, int) or seq_id < 0:
-        raise InvalidInput(f"seq_id must be a non-negative integer, got {seq_id!r}", field="seq_id")
