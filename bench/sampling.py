@@ -1,11 +1,15 @@
-"""Sampling throughput: 16 concurrent requests of 64 new tokens on SmolLM2, three contenders side by side.
+"""Sampling throughput: concurrent requests of new tokens on SmolLM2, contenders side by side.
 
-  whitney    the engine's continuous-batching sampler (all 16 submitted at once, stepped to completion)
-  hf_each    Hugging Face `generate` called once per request
-  hf_batch   Hugging Face `generate` on the 16 prompts batched (left padding)
+  whitney_http  the server's continuous-batching sampler: `whitney serve` in its own process, all
+                requests sent at once through whitney.Client, then every result awaited (the suite)
+  whitney       the engine's sampler in this process (all submitted at once, stepped to completion)
+  hf_each       Hugging Face `generate` called once per request
+  hf_batch      Hugging Face `generate` on the prompts batched (left padding)
 
 Contenders alternate within each round; the medians over rounds are reported, as aggregate generated
-tokens per second and as ratios. EOS is disabled for all three so every request makes exactly 64 tokens.
+tokens per second and as ratios. EOS is disabled for all so every request makes exactly `tokens`.
+hf_each's rate does not depend on how many requests it runs one by one, so `each_requests` may time
+it on the first few prompts only (the suite does, to keep its run short).
 
     python bench/sampling.py [--rounds 3] [--requests 16] [--tokens 64] [--json out.json]
 """
@@ -14,8 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
@@ -48,6 +57,12 @@ def run_whitney(engine: Engine, ids: list[list[int]], tokens: int) -> int:
     return sum(len(s.tokens) for r in requests for s in r.result.sequences)
 
 
+def run_whitney_http(client, ids: list[list[int]], tokens: int) -> int:
+    futures = [client.sample(p, base_model=DEFAULT_MODEL, max_tokens=tokens, temperature=1.0, seed=i, stop=[])
+               for i, p in enumerate(ids)]
+    return sum(len(s["tokens"]) for f in futures for s in f.result()["sequences"])
+
+
 def run_hf_each(model, ids: list[list[int]], tokens: int) -> int:
     made = 0
     for p in ids:
@@ -66,41 +81,94 @@ def run_hf_batch(model, ids: list[list[int]], tokens: int) -> int:
     return (out.shape[1] - width) * len(ids)
 
 
+def measure(rounds: int = 3, requests: int = 16, tokens: int = 64, http: bool = False, engine_too: bool = True,
+            each_requests: int | None = None) -> dict:
+    """Tokens/s of each contender (medians over rounds) and the ratios against both HF baselines."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    engine = Engine()
+    base = engine.load_model(DEFAULT_MODEL)
+    hf = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32).eval()
+    ids = prompts(base.tokenizer, requests)
+    each_ids = ids[:each_requests] if each_requests else ids
+    contenders = {}
+    server = client = None
+    if http:
+        import whitney
+        from bench.common import start_server
+
+        server = start_server()
+        client = whitney.Client(server.url, timeout=600)
+        contenders["whitney_http"] = lambda: run_whitney_http(client, ids, tokens)
+    if engine_too or not http:
+        contenders["whitney"] = lambda: run_whitney(engine, ids, tokens)
+    contenders["hf_each"] = lambda: run_hf_each(hf, each_ids, tokens)
+    contenders["hf_batch"] = lambda: run_hf_batch(hf, ids, tokens)
+    rates: dict[str, list[float]] = {k: [] for k in contenders}
+    try:
+        if http:
+            run_whitney_http(client, ids[:2], 4)  # warm-up
+        run_whitney(engine, ids[:2], 4)
+        with torch.no_grad():
+            run_hf_batch(hf, ids[:2], 2)
+            for r in range(rounds):
+                names = list(contenders)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    t = time.perf_counter()
+                    made = contenders[name]()
+                    rates[name].append(made / (time.perf_counter() - t))
+                    print(f"  sampling round {r} {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.stop()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    main = "whitney_http" if http else "whitney"
+    return {
+        "benchmark": "sampling", "requests": requests, "new_tokens": tokens, "dtype": "float32",
+        "hf_each_requests": len(each_ids), "rounds": rounds, "measured": main,
+        "tokens_per_s": med, "raw_tokens_per_s": rates,
+        "ratio_vs_hf_each": med[main] / med["hf_each"],
+        "ratio_vs_hf_batch": med[main] / med["hf_batch"],
+        "targets": {"ratio_vs_hf_each": 3.0, "ratio_vs_hf_batch": 1.0},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def run(quick: bool = False) -> dict:
+    """The suite's entry: through the server, with the in-process engine alongside for reference."""
+    if quick:
+        result = measure(rounds=1, requests=4, tokens=8, http=True, engine_too=True, each_requests=2)
+    else:
+        result = measure(rounds=3, requests=16, tokens=64, http=True, engine_too=True, each_requests=4)
+    n, t = result["requests"], result["new_tokens"]
+    result["settings"] = {"requests": n, "new_tokens": t, "rounds": result["rounds"],
+                          "hf_each_requests": result["hf_each_requests"], "dtype": "float32"}
+    checks = [
+        {"name": f"sampling: {n} x {t} tokens through the server / HF generate per request",
+         "ratio": result["ratio_vs_hf_each"], "target": 3.0, "op": ">="},
+        {"name": f"sampling: {n} x {t} tokens through the server / HF generate batched",
+         "ratio": result["ratio_vs_hf_batch"], "target": 1.0, "op": ">="},
+    ]
+    if "whitney" in result["tokens_per_s"]:
+        checks.append({"name": "(info) sampling: engine in-process / HF generate batched",
+                       "ratio": result["tokens_per_s"]["whitney"] / result["tokens_per_s"]["hf_batch"],
+                       "target": None, "op": None})
+    result["checks"] = checks
+    return result
+
+
 def main() -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--http", action="store_true", help="also sample through a `whitney serve` process")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    engine = Engine()
-    base = engine.load_model(DEFAULT_MODEL)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32).eval()
-    ids = prompts(base.tokenizer, args.requests)
-    contenders = {"whitney": lambda: run_whitney(engine, ids, args.tokens),
-                  "hf_each": lambda: run_hf_each(hf, ids, args.tokens),
-                  "hf_batch": lambda: run_hf_batch(hf, ids, args.tokens)}
-    rates: dict[str, list[float]] = {k: [] for k in contenders}
-    run_whitney(engine, ids[:2], 4)  # warm-up
-    with torch.no_grad():
-        for r in range(args.rounds):
-            for name, fn in contenders.items():
-                t = time.perf_counter()
-                made = fn()
-                rates[name].append(made / (time.perf_counter() - t))
-                print(f"round {r} {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    result = {
-        "benchmark": "sampling", "requests": args.requests, "new_tokens": args.tokens, "dtype": "float32",
-        "tokens_per_s": med,
-        "ratio_vs_hf_each": med["whitney"] / med["hf_each"],
-        "ratio_vs_hf_batch": med["whitney"] / med["hf_batch"],
-        "targets": {"ratio_vs_hf_each": 3.0, "ratio_vs_hf_batch": 1.0},
-        "threads": torch.get_num_threads(),
-    }
+    result = measure(args.rounds, args.requests, args.tokens, http=args.http)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,1 @@
+"""Whitney's benchmark suite: `make bench` or `python -m bench [--quick] [--only NAME]`."""

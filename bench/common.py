@@ -1,0 +1,164 @@
+"""Shared helpers of the benchmark suite: the machine, timing, data, and a `whitney serve` subprocess."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from whitney.engine import DEFAULT_MODEL
+
+
+def machine() -> dict:
+    """CPU model, cores, torch version, threads and the load average when the suite started."""
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def alternate(contenders: dict, rounds: int, label: str = "") -> dict[str, list[float]]:
+    """Run every contender once per round, in turn (order rotated each round); return seconds per call."""
+    names = list(contenders)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            t = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - t)
+            print(f"  {label} round {r} {name}: {times[name][-1]:.3f}s", flush=True)
+    return times
+
+
+def random_tokens(n: int, length: int, seed: int, vocab: int = 49152) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Stay clear of the special tokens at the start of SmolLM2's vocabulary.
+    return torch.randint(100, vocab, (n, length + 1), generator=gen).tolist()
+
+
+def sft_batch(n: int, length: int, seed: int = 0, prompt: int = 16) -> list[dict]:
+    """n wire datums of `length` input tokens: weight 0 on a short prompt, 1 on the rest."""
+    from whitney.datums import sft_datum
+
+    return [sft_datum(seq[:prompt], seq[prompt:]) for seq in random_tokens(n, length, seed)]
+
+
+def engine_datums(batch: list[dict]):
+    from whitney.engine import Datum
+
+    return [Datum(d["input"]["token_ids"], d["loss_inputs"]) for d in batch]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """`whitney serve` in its own process (as deployed): its URL, pid, and how to stop it."""
+
+    proc: subprocess.Popen
+    url: str
+    data_dir: tempfile.TemporaryDirectory
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def status(self) -> dict[str, int]:
+        """VmHWM (peak RSS) and VmRSS of the server process, in KiB."""
+        out = {}
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmHWM", "VmRSS")):
+                    key, value = line.split(":", 1)
+                    out[key] = int(value.split()[0])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.data_dir.cleanup()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(*args: str, model: str = DEFAULT_MODEL, timeout: float = 180.0) -> Server:
+    """Start `python -m whitney.cli serve` on a free port; return once it prints that it is serving."""
+    data_dir = tempfile.TemporaryDirectory(prefix="whitney-bench-")
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "whitney.cli", "serve", "--model", model, "--port", str(port),
+                             "--data-dir", data_dir.name, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise RuntimeError(f"whitney serve exited with {proc.returncode}:\n{''.join(lines)}")
+            continue
+        lines.append(line)
+        if "Whitney is serving" in line:
+            # Drain the rest of its output in the background so the pipe never fills.
+            import threading
+
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return Server(proc, f"http://127.0.0.1:{port}", data_dir)
+    proc.kill()
+    raise RuntimeError(f"whitney serve did not start in {timeout}s:\n{''.join(lines)}")

@@ -1,0 +1,117 @@
+"""Service overhead: the same SFT steps through HTTP, in-process through the engine, and as a plain
+PyTorch + PEFT loop.
+
+A step is forward_backward (cross_entropy, summed over tokens) + optim_step (AdamW, lr 1e-4, betas
+0.9/0.95, eps 1e-12, no decay, no clipping) on a LoRA of rank 32 over every linear layer including the
+unembedding (Whitney's default train_unembed=True; PEFT's target_modules list the same modules).
+
+  http     whitney.Client against `whitney serve` in its own process; per step fb and optim_step are
+           submitted back to back (pipelined) and both results awaited, as the demo does
+  engine   Engine.forward_backward + Engine.optim_step in this process
+  peft     Hugging Face AutoModelForCausalLM + peft LoRA + torch.optim.AdamW, same data, same loss
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.common import alternate, engine_datums, median, sft_batch, start_server
+from whitney.engine import DEFAULT_MODEL, Engine, LoraConfig
+
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def peft_loop(model_dir: str, rank: int):
+    """A plain PyTorch + PEFT training step doing Whitney's math; returns step(batch) -> loss."""
+    import warnings
+
+    from peft import LoraConfig as PeftLora, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(hf, PeftLora(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                                            target_modules=TARGET_MODULES))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+
+    def step(batch: list[dict]) -> float:
+        ids = torch.tensor([d["input"]["token_ids"] for d in batch])
+        targets = torch.tensor([d["loss_inputs"]["target_tokens"]["values"] for d in batch])
+        weights = torch.tensor([d["loss_inputs"]["weights"]["values"] for d in batch])
+        logits = model(input_ids=ids).logits  # [B, T, V]
+        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        loss = (per_token * weights.flatten()).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step, sum(p.numel() for p in params)
+
+
+def run(quick: bool = False) -> dict:
+    import whitney
+
+    steps, rounds, batch_size, length, rank = (1, 1, 2, 32, 8) if quick else (3, 3, 8, 128, 32)
+    batch = sft_batch(batch_size, length, seed=1)
+    tokens_per_step = batch_size * length
+
+    engine = Engine()
+    base = engine.load_model(DEFAULT_MODEL)
+    engine.create_run("bench", lora=LoraConfig(rank=rank))
+    datums = engine_datums(batch)
+    plain_step, peft_params = peft_loop(str(base.path), rank)
+    whitney_params = sum(p.numel() for p in engine.runs["bench"].weights().values())
+
+    with start_server() as server:
+        client = whitney.Client(server.url, timeout=600)
+        session = client.create_session(purpose="bench-overhead")
+        run_ = session.create_run(rank=rank)
+
+        def http() -> None:
+            for _ in range(steps):
+                fb = run_.forward_backward(batch, "cross_entropy")
+                opt = run_.optim_step(learning_rate=1e-4)
+                fb.result()
+                opt.result()
+
+        def in_process() -> None:
+            for _ in range(steps):
+                engine.forward_backward("bench", datums, "cross_entropy")
+                engine.optim_step("bench", {"learning_rate": 1e-4})
+
+        def plain() -> None:
+            for _ in range(steps):
+                plain_step(batch)
+
+        contenders = {"http": http, "engine": in_process, "peft": plain}
+        for fn in contenders.values():  # warm-up: one step each, untimed
+            t = time.perf_counter()
+            fn()
+        times = alternate(contenders, rounds, "overhead")
+        session.close()
+        client.close()
+
+    med = {k: median(v) / steps for k, v in times.items()}  # seconds per step
+    return {
+        "benchmark": "overhead",
+        "settings": {"steps_per_round": steps, "rounds": rounds, "batch": batch_size, "seq_len": length,
+                     "rank": rank, "train_unembed": True, "dtype": "float32",
+                     "trainable_params": {"whitney": whitney_params, "peft": peft_params}},
+        "seconds_per_step": med,
+        "tokens_per_s": {k: tokens_per_step / v for k, v in med.items()},
+        "raw_seconds_per_round": times,
+        "checks": [
+            {"name": "service overhead: HTTP step time / plain PyTorch+PEFT step time",
+             "ratio": med["http"] / med["peft"], "target": 1.05, "op": "<="},
+            {"name": "(info) engine in-process step time / plain PyTorch+PEFT", "ratio": med["engine"] / med["peft"],
+             "target": None, "op": None},
+            {"name": "(info) HTTP step time / engine in-process", "ratio": med["http"] / med["engine"],
+             "target": None, "op": None},
+        ],
+    }

@@ -1,0 +1,225 @@
+"""Render docs/BENCHMARKS.md and docs/bench_*.png from bench/results/*.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling"]
+
+
+def load(results_dir: Path) -> dict[str, dict]:
+    out = {}
+    for name in ORDER:
+        path = results_dir / f"{name}.json"
+        if path.exists():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def verdict(c: dict) -> str:
+    if c.get("target") is None or c.get("ratio") is None:
+        return "info"
+    r, t = c["ratio"], c["target"]
+    ok = {"<=": r <= t, ">=": r >= t, "<": r < t, ">": r > t}[c["op"]]
+    return "**pass**" if ok else "**miss**"
+
+
+def fmt(x, unit: str | None = None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if unit == "ms":
+        return f"{x:.1f} ms"
+    if unit == "exponent":
+        return f"{x:.2f}"
+    return f"{x:.2f}x"
+
+
+def absolute(name: str, r: dict) -> str:
+    """The absolute figures behind a benchmark's ratios, one short line."""
+    if "error" in r:
+        return f"error: {r['error']}"
+    if name == "overhead":
+        s = r["seconds_per_step"]
+        return ", ".join(f"{k} {v:.2f} s/step ({r['tokens_per_s'][k]:.0f} tok/s)" for k, v in s.items())
+    if name == "sharing":
+        return ", ".join(f"{k} {v:.0f} tok/s ({r['seconds_per_round'][k]:.1f} s)" for k, v in r["tokens_per_s"].items())
+    if name == "memory":
+        return ", ".join(f"{k} run(s): {v:.0f} MiB" for k, v in r["peak_rss_mib"].items())
+    if name == "sampling":
+        return ", ".join(f"{k} {v:.1f} tok/s" for k, v in r["tokens_per_s"].items())
+    if name == "latency":
+        return (f"wake-up p50 {r['wakeup']['p50_ms']:.1f} / p90 {r['wakeup']['p90_ms']:.1f} ms "
+                f"(n={r['wakeup']['n']}, missed {r['wakeup']['missed']}); round trip p50 "
+                f"{r['round_trip']['p50_ms']:.1f} / p90 {r['round_trip']['p90_ms']:.1f} ms (n={r['round_trip']['n']})")
+    if name == "scaling":
+        by_len = ", ".join(f"{k}: {v:.2f}s" for k, v in r["step_seconds_by_length"].items())
+        by_batch = ", ".join(f"{k}: {v:.2f}s" for k, v in r["step_seconds_by_batch"].items())
+        per_tok = ", ".join(f"{k}: {v:.1f}" for k, v in r["sampling_ms_per_token"].items())
+        return (f"step by length (batch 1) {by_len}; by batch (length {r['settings']['length_for_batches']}) "
+                f"{by_batch}; sampling ms/token by concurrency {per_tok}")
+    return ""
+
+
+def settings(r: dict) -> str:
+    s = r.get("settings", {})
+    return ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict))
+
+
+def plots(results: dict[str, dict], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=90)
+        plt.close(fig)
+        made.append(name)
+
+    def bars(ax, labels, values, ylabel, title):
+        ax.bar(labels, values, color=["#4C72B0", "#DD8452", "#55A868", "#C44E52"][:len(labels)])
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+
+    r = results.get("overhead")
+    if r and "error" not in r:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        s = r["seconds_per_step"]
+        st = r["settings"]
+        bars(ax, list(s), list(s.values()), "seconds per step (median)",
+             f"SFT step, {st['batch']} x {st['seq_len']} tokens, LoRA r{st['rank']}")
+        save(fig, "bench_overhead.png")
+    r = results.get("sharing")
+    if r and "error" not in r:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        t = r["tokens_per_s"]
+        bars(ax, list(t), list(t.values()), "aggregate tokens/s (median)",
+             f"{r['settings']['runs']} runs at once vs one after another")
+        save(fig, "bench_sharing.png")
+    r = results.get("memory")
+    if r and "error" not in r:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        m = r["peak_rss_mib"]
+        bars(ax, [f"{k} run(s)" for k in m], list(m.values()), "server peak RSS (MiB)",
+             f"whitney serve, LoRA r{r['settings']['rank']}, one step each")
+        save(fig, "bench_memory.png")
+    r = results.get("sampling")
+    if r and "error" not in r:
+        fig, ax = plt.subplots(figsize=(5.5, 3.2))
+        t = r["tokens_per_s"]
+        bars(ax, list(t), list(t.values()), "generated tokens/s (median)",
+             f"{r['requests']} requests x {r['new_tokens']} new tokens")
+        save(fig, "bench_sampling.png")
+    r = results.get("latency")
+    if r and "error" not in r:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        data = [r["raw_ms"]["wakeup"] or [float("nan")], r["raw_ms"]["round_trip"] or [float("nan")]]
+        ax.boxplot(data)
+        ax.set_xticks([1, 2], ["long-poll wake-up", "GET capabilities"])
+        ax.axhline(20, color="red", linestyle="--", linewidth=1, label="target p50 20 ms")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        ax.set_title("latency of the machinery", fontsize=10)
+        save(fig, "bench_latency.png")
+    r = results.get("scaling")
+    if r and "error" not in r:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+        for ax, key, xlabel, ylabel, exp in [
+            (axes[0], "step_seconds_by_length", "sequence length (batch 1)", "step seconds", r["exponent_length"]),
+            (axes[1], "step_seconds_by_batch", f"batch (length {r['settings']['length_for_batches']})",
+             "step seconds", r["exponent_batch"]),
+            (axes[2], "sampling_ms_per_token", "concurrent sequences", "ms per generated token", None),
+        ]:
+            xs = [int(k) for k in r[key]]
+            ys = list(r[key].values())
+            ax.plot(xs, ys, "o-")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            if exp is not None:
+                ax.set_title(f"exponent {exp:.2f}", fontsize=10)
+            else:
+                ax.set_title(f"wall time exponent {r['exponent_sampling']:.2f}", fontsize=10)
+        save(fig, "bench_scaling.png")
+    return made
+
+
+def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
+    results = load(results_dir)
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    images = plots(results, docs_dir)
+    m = next((r["machine"] for r in results.values() if "machine" in r), {})
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`python -m bench`; `bench/run.py`, one module per benchmark in `bench/`) from "
+        "`bench/results/*.json`. Do not edit by hand." + (" **Quick smoke run: tiny settings, not the real figures.**"
+                                                        if quick else ""),
+        "",
+        "Every comparison is measured side by side in one run, the contenders alternating within each round; "
+        "figures are medians over rounds. Absolute times are shown, but the targets are ratios (latency: "
+        "absolute p50). Model: the embedded SmolLM2-135M-Instruct. The server is `whitney serve` in its own "
+        "process on the same machine.",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {m.get('cpu', '?')}, {m.get('cores', '?')} cores (AVX-512 BF16: {m.get('avx512_bf16', '?')})",
+        f"- torch {m.get('torch', '?')} ({m.get('torch_threads', '?')} threads), Python {m.get('python', '?')}",
+        "- dtype: float32 on every side (Whitney's default compute dtype, HF/PEFT loaded in float32)",
+        "- load average (1/5/15 min) when each benchmark started and ended, since other processes may share "
+        "the CPU:",
+    ]
+    for name, r in results.items():
+        la, lb = r.get("machine", {}).get("load_average"), r.get("load_average_after")
+        if la and lb:
+            lines.append(f"  - {name}: {' / '.join(f'{x:.2f}' for x in la)} -> {' / '.join(f'{x:.2f}' for x in lb)} "
+                         f"({r.get('elapsed_s', 0):.0f} s, finished {r.get('finished_at', '?')})")
+    lines += ["", "## Results", "", "| measured | ratio | target | result |", "| --- | --- | --- | --- |"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name}: **failed** ({r['error']}) | - | - | **miss** |")
+        for c in r.get("checks", []):
+            target = "-" if c.get("target") is None else f"{c['op']} {fmt(c['target'], c.get('unit'))}"
+            lines.append(f"| {c['name']} | {fmt(c.get('ratio'), c.get('unit'))} | {target} | {verdict(c)} |")
+    lines += ["", "## Absolute figures (medians) and settings", ""]
+    for name, r in results.items():
+        lines += [f"### {name}", "", f"- {absolute(name, r)}", f"- settings: {settings(r)}"]
+        if f"bench_{name}.png" in images:
+            lines += ["", f"![{name}](bench_{name}.png)"]
+        lines.append("")
+    lines += [
+        "## How each figure is measured",
+        "",
+        "- **overhead**: N SFT steps (forward_backward with cross_entropy summed over tokens, then optim_step: AdamW "
+        "lr 1e-4, betas 0.9/0.95, eps 1e-12) through `whitney.Client` against the server (forward_backward and "
+        "optim_step submitted back to back, both awaited each step), the same steps in-process through `Engine`, "
+        "and a plain Hugging Face + PEFT loop (LoRA r=alpha=32 on q,k,v,o,gate,up,down and lm_head, "
+        "`torch.optim.AdamW`) on the same datums. Target: HTTP <= 1.05x plain.",
+        "- **sharing**: 4 runs, each its own client in its own thread, training at once (batch 2 x 128) against the "
+        "same 4 runs one after another; aggregate tokens/s. Target >= 1.3x.",
+        "- **memory**: a fresh `whitney serve` per measurement; peak RSS (VmHWM from /proc/PID/status) after 1 or "
+        "8 runs (rank 32) took one step each, the steps awaited one at a time. Target 8 runs <= 1.15x of 1.",
+        "- **sampling**: 16 requests of 64 new tokens (EOS disabled) sent at once through the server, against "
+        "HF `generate` per request (rate measured on the first 4 requests one by one: per-request generation "
+        "does not get faster with more requests) and HF `generate` batched with left padding; the in-process "
+        "engine alongside for reference. Targets >= 3x and >= 1.0x.",
+        "- **latency**: wake-up = client receive time minus the operation's `finished_at` for a small "
+        "forward_backward the client was already long-polling; round trip = `GET /v1/training/capabilities`. "
+        "Target p50 < 20 ms each.",
+        "- **scaling**: in-process engine; step time vs sequence length and batch size, sampling time per token "
+        "vs concurrent sequences; exponent = least-squares slope of log time vs log size.",
+        "- Not here yet: the peer comparison of issue 6 item 7 (`../shared/peers/bench_sdk.py` against SkyRL "
+        "tx), which needs SkyRL installed and is a separate command.",
+        "",
+    ]
+    path = docs_dir / "BENCHMARKS.md"
+    path.write_text("\n".join(lines))
+    return path

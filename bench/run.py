@@ -1,0 +1,84 @@
+"""Run Whitney's benchmark suite, write JSON results and render docs/BENCHMARKS.md with PNG plots.
+
+    python -m bench                     # everything (about 10-20 minutes on 2 CPU cores)
+    python -m bench --quick             # tiny settings, a smoke run (results under bench/results/quick/)
+    python -m bench --only sampling     # one benchmark (repeatable or comma-separated); the report is
+                                        # re-rendered from every result file present
+
+Benchmarks: overhead, sharing, memory, sampling, latency, scaling (see each module's docstring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny settings, a few seconds each (smoke run)")
+    parser.add_argument("--only", action="append", default=[], help=f"benchmark name(s): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--no-report", action="store_true", help="write JSON only")
+    args = parser.parse_args(argv)
+    names = [n.strip() for o in args.only for n in o.split(",") if n.strip()] or BENCHMARKS
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; known: {BENCHMARKS}")
+
+    from bench.common import machine
+
+    results_dir = ROOT / "bench" / "results" / ("quick" if args.quick else "")
+    docs_dir = results_dir if args.quick else ROOT / "docs"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
+    t_all = time.perf_counter()
+    for name in names:
+        print(f"== {name}{' (quick)' if args.quick else ''}", flush=True)
+        before = machine()
+        t = time.perf_counter()
+        try:
+            result = importlib.import_module(f"bench.{name}").run(quick=args.quick)
+        except Exception as e:  # keep going: one broken benchmark should not hide the others
+            import traceback
+
+            traceback.print_exc()
+            failed.append(name)
+            result = {"benchmark": name, "error": f"{type(e).__name__}: {e}", "checks": []}
+        result["elapsed_s"] = time.perf_counter() - t
+        result["quick"] = args.quick
+        result["machine"] = before
+        result["load_average_after"] = list(os.getloadavg())
+        result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        with open(results_dir / f"{name}.json", "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"== {name}: {result['elapsed_s']:.0f}s", flush=True)
+        for c in result.get("checks", []):
+            value = c["ratio"] if c["ratio"] is None else round(c["ratio"], 3)
+            target = "" if c["target"] is None else " (target %s %s)" % (c["op"], c["target"])
+            print(f"   {c['name']}: {value}{target}", flush=True)
+        gc.collect()
+    print(f"== all done in {time.perf_counter() - t_all:.0f}s", flush=True)
+    if not args.no_report:
+        from bench.report import render
+
+        path = render(results_dir, docs_dir, quick=args.quick)
+        print(f"report: {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
