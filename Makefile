@@ -1,4 +1,4 @@
-# Set-up is two commands (see README): `make demo` and `make test`.
+# Set-up is two commands (see README): `make demo` and `make test`. Optional: `make bench`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -26,7 +26,12 @@ $(VENV)/.test-installed: $(STAMP)
 	$(BIN)/pip install -q $(COOKBOOK_DEPS)
 	touch $(VENV)/.test-installed
 
-.PHONY: install demo test
+# The benchmark suite's extra: matplotlib for the plots, peft for the plain PyTorch + PEFT baseline.
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
+	touch $(VENV)/.bench-installed
+
+.PHONY: install demo test bench
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -34,3 +39,8 @@ demo: $(STAMP)
 
 test: $(VENV)/.test-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# Every benchmark, side by side; writes bench/results/*.json, docs/BENCHMARKS.md and docs/bench_*.png.
+# BENCH_ARGS=--quick for a smoke run (about 2 minutes), BENCH_ARGS='--only sampling' for one.
+bench: $(VENV)/.bench-installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench $(BENCH_ARGS)
