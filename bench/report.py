@@ -46,7 +46,12 @@ def absolute(name: str, r: dict) -> str:
     if name == "sharing":
         return ", ".join(f"{k} {v:.0f} tok/s ({r['seconds_per_round'][k]:.1f} s)" for k, v in r["tokens_per_s"].items())
     if name == "memory":
-        return ", ".join(f"{k} run(s): {v:.0f} MiB" for k, v in r["peak_rss_mib"].items())
+        peaks = {int(k): v for k, v in r["peak_rss_mib"].items()}
+        few, many = min(peaks), max(peaks)
+        extra = (peaks[many] - peaks[few]) / (many - few) if many > few else float("nan")
+        return (", ".join(f"{k} run(s): {v:.0f} MiB" for k, v in peaks.items())
+                + f"; {extra:.0f} MiB per extra run (a run holds its adapter, gradient accumulator and two AdamW "
+                f"moments: 4 float32 copies of its LoRA weights)")
     if name == "sampling":
         return ", ".join(f"{k} {v:.1f} tok/s" for k, v in r["tokens_per_s"].items())
     if name == "latency":
