@@ -161,14 +161,29 @@ class RowGroups:
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + scale * (x @ A^T) @ B^T for each group's rows. x [R, ..., in], y [R, ..., out]."""
-        for *rows, adapter in self.bounds:
+        if any(len(entry) == 2 for entry in self.bounds):
+            return self._apply_scattered(name, x, y)
+        # Contiguous groups: the deltas (zeros for rows without this module) are concatenated and added
+        # once. An in-place add per group would make autograd clone the whole gradient of y per group.
+        pieces, covered = [], 0
+        for start, end, adapter in self.bounds:
             if adapter is None or name not in adapter.A:
                 continue
-            sel = slice(rows[0], rows[1]) if len(rows) == 2 else rows[0]
-            a = adapter.A[name].to(x.dtype)  # [r, in]
-            b = adapter.B[name].to(x.dtype)  # [out, r]
-            # y is a fresh matmul output that no backward saved, so adding in place is safe.
-            y[sel] += (x[sel] @ a.T) @ b.T * adapter.scale
+            if start > covered:
+                pieces.append(y.new_zeros((start - covered, *y.shape[1:])))
+            pieces.append(_delta(adapter, name, x[start:end]))
+            covered = end
+        if not pieces:
+            return y
+        if covered < y.shape[0]:
+            pieces.append(y.new_zeros((y.shape[0] - covered, *y.shape[1:])))
+        return y + (pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+
+    def _apply_scattered(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Index groups (the decode batch, no autograd): add each group's delta in place."""
+        for rows, adapter in self.bounds:
+            if adapter is not None and name in adapter.A:
+                y[rows] += _delta(adapter, name, x[rows])
         return y
 
     def rows(self, counts: list[int]) -> "RowGroups":
@@ -177,3 +192,10 @@ class RowGroups:
         for c in counts:
             starts.append(starts[-1] + c)
         return RowGroups([(starts[s], starts[e], a) for s, e, a in self.bounds])
+
+
+def _delta(adapter: Adapter, name: str, x: torch.Tensor) -> torch.Tensor:
+    """scale * (x @ A^T) @ B^T for rows x [R, ..., in] -> [R, ..., out]: two thin matmuls, never B @ A."""
+    a = adapter.A[name].to(x.dtype)  # [r, in]
+    b = adapter.B[name].to(x.dtype)  # [out, r]
+    return (x @ a.T) @ b.T * adapter.scale
