@@ -13,7 +13,6 @@ unembedding (Whitney's default train_unembed=True; PEFT's target_modules list th
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -91,7 +90,6 @@ def run(quick: bool = False) -> dict:
 
         contenders = {"http": http, "engine": in_process, "peft": plain}
         for fn in contenders.values():  # warm-up: one step each, untimed
-            t = time.perf_counter()
             fn()
         times = alternate(contenders, rounds, "overhead")
         session.close()

@@ -6,7 +6,6 @@ over the wall time. The two modes alternate within each round.
 from __future__ import annotations
 
 import threading
-import time
 
 from bench.common import alternate, median, sft_batch, start_server
 

@@ -7,9 +7,7 @@ of the base model and of the new sampler version side by side.
 
 from __future__ import annotations
 
-import socket
 import tempfile
-import threading
 import time
 
 from tqdm import tqdm
@@ -45,25 +43,10 @@ def chat_datums(tokenizer, chats: list[tuple[str, str]]) -> list[dict]:
 
 def start_local_server(model: str, data_dir: str):
     """A Whitney server on a free local port, in a background thread; returns (url, stop)."""
-    import uvicorn
+    from whitney.service.app import ServiceConfig, create_app, serve_in_thread
 
-    from whitney.service.app import ServiceConfig, create_app
-
-    app = create_app(ServiceConfig(models=[model], data_dir=data_dir))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-    return f"http://127.0.0.1:{port}", stop
+    running = serve_in_thread(create_app(ServiceConfig(models=[model], data_dir=data_dir)))
+    return running.url, running.stop
 
 
 def run_demo(model: str, steps: int = 12, batch_size: int = 4, rank: int = 16, learning_rate: float = 1e-3,

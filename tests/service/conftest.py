@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,13 +10,7 @@ import httpx
 import pytest
 import uvicorn
 
-from whitney.service.app import ServiceConfig, create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from whitney.service.app import ServiceConfig, create_app, serve_in_thread
 
 
 @dataclass
@@ -42,17 +34,10 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def start_server(config: ServiceConfig, port: int | None = None) -> RunningServer:
+def start_server(config: ServiceConfig) -> RunningServer:
     app = create_app(config)
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    return RunningServer(f"http://127.0.0.1:{port}", config, server, thread, app)
+    running = serve_in_thread(app)
+    return RunningServer(running.url, config, running.server, running.thread, app)
 
 
 @pytest.fixture

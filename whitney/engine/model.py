@@ -94,6 +94,8 @@ class BaseModel:
     compute_dtype: torch.dtype = torch.float32
     # full Hugging Face module path -> (in_features, out_features) of every adaptable linear
     linear_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # per layer: projection name -> its module path (the key of its LoRA weights)
+    layer_paths: list[dict[str, str]] = field(default_factory=list)
 
 
 def module_path(layer: int, projection: str) -> str:
@@ -216,6 +218,7 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
         eos_token_ids=eos_ids,
         compute_dtype=compute_dtype,
         linear_shapes=linear_shapes,
+        layer_paths=[{p: module_path(i, p) for p in LAYER_PROJECTIONS} for i in range(config.num_layers)],
     )
 
 

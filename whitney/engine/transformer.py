@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from whitney.engine.lora import RowGroups
-from whitney.engine.model import BaseModel, LAYER_PROJECTIONS, UNEMBED, module_path
+from whitney.engine.model import BaseModel, UNEMBED
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,10 +42,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def _paths(base: BaseModel) -> list[dict[str, str]]:
-    return [{p: module_path(i, p) for p in LAYER_PROJECTIONS} for i in range(base.config.num_layers)]
-
-
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -60,7 +56,7 @@ def _decoder(base: BaseModel, tokens: torch.Tensor, groups, cos: torch.Tensor, s
     B, T = tokens.shape
     dt = base.compute_dtype
     h = base.embed[tokens].to(dt)  # [B, T, D]
-    for layer, (lw, paths) in enumerate(zip(base.layers, _paths(base))):
+    for layer, (lw, paths) in enumerate(zip(base.layers, base.layer_paths)):
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, lw.linear[name].to(dt), lw.bias[name].to(dt) if name in lw.bias else None)

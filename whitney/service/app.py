@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,3 +147,32 @@ class BodyLimit:
 def _plain(errors: list[dict]) -> list[dict]:
     return [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
             for e in errors[:20]]
+
+
+@dataclass
+class ThreadedServer:
+    """A uvicorn server running an app in a background thread (demo, tests)."""
+
+    url: str
+    server: object  # uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> ThreadedServer:
+    """Serve `app` from a daemon thread; port 0 takes a free one. Returns once it accepts connections."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return ThreadedServer(f"http://{host}:{bound}", server, thread)
