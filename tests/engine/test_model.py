@@ -159,7 +159,7 @@ def _live_storage_bytes() -> int:
     return sum(seen.values())
 
 
-def test_adding_a_run_costs_adapter_and_grads_only(tiny_model):
+def test_a_run_costs_its_adapter_and_gradients_only_while_pending(tiny_model):
     engine = Engine()
     engine.create_run("first", tiny_model, LoraConfig(rank=2))  # loads the base
     base_bytes = sum(t.untyped_storage().nbytes() for t in _base_tensors(engine.models[tiny_model]))
@@ -167,13 +167,18 @@ def test_adding_a_run_costs_adapter_and_grads_only(tiny_model):
     run = engine.create_run("second", tiny_model, LoraConfig(rank=4, seed=3))
     grown = _live_storage_bytes() - before
     adapter_bytes = sum(p.numel() * p.element_size() for p in run.adapter.parameters())
-    grad_bytes = sum(g.numel() * g.element_size() for g in run.grads.values())
-    assert grad_bytes == adapter_bytes
-    assert grown == adapter_bytes + grad_bytes, (grown, adapter_bytes, grad_bytes)
+    assert run.grads == {} and grown == adapter_bytes, (grown, adapter_bytes)
     assert grown < base_bytes / 4  # and in particular no copy of the base
+    # forward_backward creates one gradient per weight; optim_step consumes and frees them.
+    engine.forward_backward("second", [Datum([1, 2, 3], {"target_tokens": [2, 3, 4]})])
+    assert {k: tuple(g.shape) for k, g in run.grads.items()} == {k: tuple(p.shape) for k, p in
+                                                                 run.adapter.named_parameters()}
     # No run tensor aliases a base tensor.
     base_ptrs = {t.untyped_storage().data_ptr() for t in _base_tensors(run.base)}
     assert not base_ptrs & {t.untyped_storage().data_ptr() for t in [*run.adapter.parameters(), *run.grads.values()]}
+    engine.optim_step("second")
+    assert run.grads == {}
+    assert set(run.optimizer.exp_avg) == set(run.optimizer.exp_avg_sq) == set(dict(run.adapter.named_parameters()))
 
 
 def test_training_never_changes_the_base(tiny_llama):

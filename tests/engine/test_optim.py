@@ -28,12 +28,11 @@ def _grad_seq(steps: int, seed: int = 1, scale: float = 1.0) -> list[dict[str, t
 def _run_ours(hp: AdamParams, grad_seq, seed: int = 0):
     weights = _weights(seed)
     state = OptimizerState()
-    grads = {n: torch.zeros(s) for n, s in SHAPES.items()}
     metrics = []
     for gs in grad_seq:
-        for n in grads:
-            grads[n].copy_(gs[n])
+        grads = {n: gs[n].clone() for n in SHAPES}
         metrics.append(optim_step(weights, grads, state, hp))
+        assert grads == {}  # consumed
     return weights, state, metrics
 
 
@@ -41,7 +40,7 @@ def _run_torch(hp: AdamParams, grad_seq, seed: int = 0, clip: float | None = Non
     weights = {n: t.clone().requires_grad_(True) for n, t in _weights(seed).items()}
     a = [t for n, t in weights.items() if not n.endswith(".lora_B")]
     b = [t for n, t in weights.items() if n.endswith(".lora_B")]
-    common = dict(betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay, foreach=False)
+    common = dict(betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay, foreach=True)
     opt = torch.optim.AdamW([{"params": a, "lr": hp.learning_rate},
                              {"params": b, "lr": hp.learning_rate * hp.lora_plus_ratio}], **common)
     norms = []

@@ -211,13 +211,15 @@ def _short_names(keys) -> set[str]:
     ({"target_modules": ("lm_head", "down_proj"), "train_unembed": False}, ["down_proj", "lm_head"]),
 ])
 def test_module_selection(bases, tiny_model, flags, expected):
-    run = new_engine(bases).create_run("r", tiny_model, LoraConfig(rank=2, **flags))
+    engine = new_engine(bases)
+    run = engine.create_run("r", tiny_model, LoraConfig(rank=2, **flags))
     keys = list(run.adapter.A)
     assert _short_names(keys) == set(expected)
     want = {module_path(i, p) for i in range(run.base.config.num_layers) for p in expected if p != "lm_head"}
     want |= {"lm_head"} if "lm_head" in expected else set()
     assert set(keys) == want and len(keys) == len(want)
     assert set(run.adapter.B) == want
+    engine.forward_backward("r", [Datum([1, 2, 3], {"target_tokens": [2, 3, 4]})])
     assert set(run.grads) == {f"{k}.lora_{ab}" for k in want for ab in "AB"}
 
 

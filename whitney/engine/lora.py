@@ -198,4 +198,4 @@ def _delta(adapter: Adapter, name: str, x: torch.Tensor) -> torch.Tensor:
     """scale * (x @ A^T) @ B^T for rows x [R, ..., in] -> [R, ..., out]: two thin matmuls, never B @ A."""
     a = adapter.A[name].to(x.dtype)  # [r, in]
     b = adapter.B[name].to(x.dtype)  # [out, r]
-    return (x @ a.T) @ b.T * adapter.scale
+    return ((x @ a.T) * adapter.scale) @ b.T  # scale the thin [R, r] product, not the [R, out] one

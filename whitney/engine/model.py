@@ -222,16 +222,34 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
     )
 
 
+class _TargetLogprobs(torch.autograd.Function):
+    """lp = logits[target] - logsumexp(logits), with a backward that writes the one [N, V] gradient
+    in place: grad = onehot(target) * g - softmax(logits) * sum_k g. Saves the logits and lse [N] only."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)  # [N]
+        ctx.save_for_backward(logits, lse, idx)
+        return logits.gather(-1, idx) - lse[:, None]  # [N, K]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        logits, lse, idx = ctx.saved_tensors
+        grad = logits - lse[:, None]  # [N, V], the only new [N, V] tensor
+        grad.exp_().mul_(-g.sum(-1, keepdim=True))
+        grad.scatter_add_(-1, idx, g)
+        return grad, None
+
+
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of the targets. logits [N, V], targets [N] or [N, K] -> [N] or [N, K], float32.
 
-    Computed as logit - logsumexp so only one [N, V] tensor (the logits) is held.
+    Computed as logit - logsumexp: besides the logits, no [N, V] tensor is kept, and backward makes one.
     """
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)  # [N]
     if targets.dim() == 1:
-        return logits.gather(-1, targets[:, None])[:, 0] - lse
-    return logits.gather(-1, targets) - lse[:, None]
+        return _TargetLogprobs.apply(logits, targets[:, None])[:, 0]
+    return _TargetLogprobs.apply(logits, targets)
 
 
 def full_logprobs(logits: torch.Tensor) -> torch.Tensor:

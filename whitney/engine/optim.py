@@ -67,34 +67,48 @@ def optim_step(weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
                hp: AdamParams) -> dict[str, float]:
     """One AdamW step on `weights` (name -> tensor, updated in place) from accumulated `grads`.
 
-    Names ending in `.lora_B` get the LoRA+ learning rate. Clears `grads` afterwards.
+    A weight without an accumulated gradient gets a zero one. Names ending in `.lora_B` get the LoRA+
+    learning rate. Each stage is one multi-tensor (`torch._foreach_*`) call over all the run's
+    tensors, not a Python loop per tensor. Consumes `grads`: it is emptied afterwards (memory freed).
     """
     with torch.no_grad():
-        # 1. gradient_scale_v1: scale the accumulated gradient once.
-        g = {name: grads[name] * hp.gradient_scale for name in weights}
-        # 2. global norm before clipping.
-        norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in g.values()))
+        names = list(weights)
+        g = [grads[n] if n in grads else torch.zeros_like(weights[n]) for n in names]
+        # 1. gradient_scale_v1: scale the accumulated gradient once (in place; grads are consumed).
+        if hp.gradient_scale != 1.0:
+            torch._foreach_mul_(g, hp.gradient_scale)
+        # 2. global norm before clipping, accumulated in float64.
+        norm = math.sqrt(float(torch.stack(torch._foreach_norm(g, 2, dtype=torch.float64)).pow(2).sum())) if g else 0.0
         # 3. clip to gradient_clip_norm (torch.nn.utils.clip_grad_norm_'s rule).
         if hp.gradient_clip_norm > 0 and norm > hp.gradient_clip_norm:
-            factor = hp.gradient_clip_norm / (norm + 1e-6)
-            for t in g.values():
-                t.mul_(factor)
-        # 4. AdamW with bias correction and decoupled weight decay.
+            torch._foreach_mul_(g, hp.gradient_clip_norm / (norm + 1e-6))
+        # 4. AdamW with bias correction and decoupled weight decay, per learning-rate group (A, B).
         state.step += 1
         bc1 = 1 - hp.beta1 ** state.step
         bc2 = 1 - hp.beta2 ** state.step
         lr_b = hp.learning_rate * hp.lora_plus_ratio
-        for name, p in weights.items():
-            lr = lr_b if name.endswith(".lora_B") else hp.learning_rate
-            m = state.exp_avg.setdefault(name, torch.zeros_like(p))
-            v = state.exp_avg_sq.setdefault(name, torch.zeros_like(p))
-            p.mul_(1 - lr * hp.weight_decay)
-            m.lerp_(g[name], 1 - hp.beta1)
-            v.mul_(hp.beta2).addcmul_(g[name], g[name], value=1 - hp.beta2)
-            denom = (v.sqrt() / math.sqrt(bc2)).add_(hp.eps)
-            p.addcdiv_(m, denom, value=-lr / bc1)
-        # 5. zero the accumulated gradient.
-        for t in grads.values():
-            t.zero_()
+        for n in names:
+            if n not in state.exp_avg:
+                state.exp_avg[n] = torch.zeros_like(weights[n])
+                state.exp_avg_sq[n] = torch.zeros_like(weights[n])
+        for is_b, lr in ((False, hp.learning_rate), (True, lr_b)):
+            idx = [i for i, n in enumerate(names) if n.endswith(".lora_B") == is_b]
+            if not idx:
+                continue
+            p = [weights[names[i]] for i in idx]
+            m = [state.exp_avg[names[i]] for i in idx]
+            v = [state.exp_avg_sq[names[i]] for i in idx]
+            gi = [g[i] for i in idx]
+            if hp.weight_decay:
+                torch._foreach_mul_(p, 1 - lr * hp.weight_decay)
+            torch._foreach_lerp_(m, gi, 1 - hp.beta1)
+            torch._foreach_mul_(v, hp.beta2)
+            torch._foreach_addcmul_(v, gi, gi, value=1 - hp.beta2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, math.sqrt(bc2))
+            torch._foreach_add_(denom, hp.eps)
+            torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
+        # 5. release the accumulated gradient.
+        grads.clear()
     return {"grad_norm": norm, "step": float(state.step), "learning_rate": hp.learning_rate,
             "learning_rate_lora_B": lr_b}

@@ -33,7 +33,11 @@ LOGITS_CHUNK = 1024
 
 @dataclass
 class Run:
-    """One training job: its adapter, accumulated gradients, optimizer state and sampler versions."""
+    """One training job: its adapter, accumulated gradients, optimizer state and sampler versions.
+
+    `grads` holds a tensor per weight only between a forward_backward and the optim_step that consumes
+    it; an idle run costs its adapter and (once it has stepped) its two AdamW moments.
+    """
 
     run_id: str
     base: BaseModel
@@ -106,13 +110,12 @@ class Engine:
         return self.models[name]
 
     def create_run(self, run_id: str, base_model: str = DEFAULT_MODEL, lora: LoraConfig | None = None) -> Run:
-        """A new run whose adapter equals the base model (B = 0). Costs adapter + optimizer memory only."""
+        """A new run whose adapter equals the base model (B = 0). Costs its adapter's memory only."""
         if run_id in self.runs:
             raise Conflict(f"run {run_id!r} already exists", field="run_id")
         base = self.load_model(base_model)
         adapter = init_adapter(base, lora or LoraConfig(), self.max_lora_rank)
-        grads = {name: torch.zeros_like(p) for name, p in adapter.named_parameters()}
-        run = Run(run_id, base, adapter, grads)
+        run = Run(run_id, base, adapter, {})
         self.runs[run_id] = run
         return run
 
@@ -215,23 +218,24 @@ class Engine:
             outputs, start = [], 0
             for it, tk in zip(items, teacher_kl):
                 n = sum(d.length for d in it.datums)
-                outputs.append(self._loss(base, it, flat[start:start + n], tk))
+                # Logits are recomputed in backward only when the batch's tokens exceed one chunk.
+                outputs.append(self._loss(base, it, flat[start:start + n], tk, flat.shape[0] > LOGITS_CHUNK))
                 start += n
             if backward:
                 self._accumulate(items, outputs)
         return [self._result(it, o) for it, o in zip(items, outputs)]
 
-    def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl) -> LossOutput:
+    def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl, recompute: bool) -> LossOutput:
         """Apply the request's loss to its hidden rows h [N, D] (all its datums, concatenated)."""
         targets = [d.inputs["target_tokens"] for d in it.datums]
         if it.request.loss_fn != "opsd":
-            lp = _chunked_target_logprobs(base, h, torch.cat(targets), it.adapter)  # [N] or [N, K]
+            lp = _chunked_target_logprobs(base, h, torch.cat(targets), it.adapter, recompute)  # [N] or [N, K]
             inputs = {k: torch.cat([d.inputs[k] for d in it.datums]) for k in it.datums[0].inputs}
             return loss_spec(it.request.loss_fn).fn(lp, inputs, it.config)
         lps, student_kl, start = [], [], 0
         for d, (s_pos, _) in zip(it.datums, it.opsd_pairs):
             hd = h[start:start + d.length]
-            lps.append(_chunked_target_logprobs(base, hd, d.inputs["target_tokens"], it.adapter))
+            lps.append(_chunked_target_logprobs(base, hd, d.inputs["target_tokens"], it.adapter, recompute))
             student_kl.append(full_logprobs(unembed(base, hd[s_pos], RowGroups([(0, len(s_pos), it.adapter)]))))
             start += d.length
         return opsd.objective(lps, student_kl, teacher_kl, [d.inputs["loss_mask"] for d in it.datums],
@@ -265,8 +269,12 @@ class Engine:
         total = sum(o.loss for o in outputs)
         grads = torch.autograd.grad(total, [p for _, _, p in params], allow_unused=True)
         for (run, name, _), g in zip(params, grads):
-            if g is not None:
+            if g is None:
+                continue
+            if name in run.grads:
                 run.grads[name] += g
+            else:  # first forward_backward since the last optim_step: keep autograd's tensor
+                run.grads[name] = g
 
     def _result(self, it: _Prepared, o: LossOutput) -> ForwardResult:
         outputs, start = [], 0
@@ -378,8 +386,7 @@ class Engine:
         run = self.get_run(run_id)
         optimizer = ckpt.load_into(path, run.adapter, OptimizerState() if with_optimizer else None, run.base.name)
         run.optimizer = optimizer if with_optimizer else OptimizerState()
-        for g in run.grads.values():
-            g.zero_()
+        run.grads.clear()
 
     def export_lora(self, run_id: str, path: str) -> None:
         """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors)."""
@@ -396,18 +403,20 @@ class Engine:
 
 
 def _chunked_target_logprobs(base: BaseModel, h: torch.Tensor, targets: torch.Tensor,
-                             adapter: Adapter | None) -> torch.Tensor:
+                             adapter: Adapter | None, recompute: bool = True) -> torch.Tensor:
     """Target log-probs for hidden rows h [N, D], targets [N] or [N, K] -> [N] or [N, K].
 
     Unembeds LOGITS_CHUNK rows at a time; under autograd each chunk's logits are recomputed in
-    backward rather than kept, so at most one [chunk, V] tensor is alive.
+    backward rather than kept, so at most one [chunk, V] tensor is alive. recompute=False keeps the
+    logits instead (the caller's whole batch fits in one chunk).
     """
 
     def chunk(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
         return target_logprobs(unembed(base, hc, RowGroups([(0, hc.shape[0], adapter)])), tc)
 
+    recompute = recompute and torch.is_grad_enabled()
     parts = []
     for s in range(0, h.shape[0], LOGITS_CHUNK):
         hc, tc = h[s:s + LOGITS_CHUNK], targets[s:s + LOGITS_CHUNK]
-        parts.append(checkpoint(chunk, hc, tc, use_reentrant=False) if torch.is_grad_enabled() else chunk(hc, tc))
-    return torch.cat(parts)
+        parts.append(checkpoint(chunk, hc, tc, use_reentrant=False) if recompute else chunk(hc, tc))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
