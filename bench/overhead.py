@@ -22,18 +22,22 @@ from whitney.engine import DEFAULT_MODEL, Engine, LoraConfig
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
-def peft_loop(model_dir: str, rank: int):
-    """A plain PyTorch + PEFT training step doing Whitney's math; returns step(batch) -> loss."""
+def peft_loop(model_dir: str, rank: int, dtype: str = "float32", train_unembed: bool = True):
+    """A plain PyTorch + PEFT training step doing Whitney's math; returns step(batch) -> loss.
+
+    The base model is loaded in `dtype`; PEFT keeps the LoRA weights in float32 (autocast_adapter_dtype)
+    and the loss is taken on float32 logits, as in Whitney.
+    """
     import warnings
 
     from peft import LoraConfig as PeftLora, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    modules = TARGET_MODULES if train_unembed else [m for m in TARGET_MODULES if m != "lm_head"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(hf, PeftLora(r=rank, lora_alpha=rank, lora_dropout=0.0,
-                                            target_modules=TARGET_MODULES))
+        model = get_peft_model(hf, PeftLora(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=modules))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
@@ -42,7 +46,7 @@ def peft_loop(model_dir: str, rank: int):
         ids = torch.tensor([d["input"]["token_ids"] for d in batch])
         targets = torch.tensor([d["loss_inputs"]["target_tokens"]["values"] for d in batch])
         weights = torch.tensor([d["loss_inputs"]["weights"]["values"] for d in batch])
-        logits = model(input_ids=ids).logits  # [B, T, V]
+        logits = model(input_ids=ids).logits.float()  # [B, T, V]
         per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         loss = (per_token * weights.flatten()).sum()
         loss.backward()

@@ -14,7 +14,7 @@ import httpx
 def test_serve_prints_its_url_and_requires_the_api_key(tiny_llama, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "whitney.cli", "serve", "--model", tiny_llama, "--port", "0",
-                             "--data-dir", str(tmp_path / "data"), "--api-key", "secret"],
+                             "--data-dir", str(tmp_path / "data"), "--api-key", "secret", "--dtype", "bfloat16"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url, deadline, seen = None, time.time() + 120, []
@@ -25,7 +25,8 @@ def test_serve_prints_its_url_and_requires_the_api_key(tiny_llama, tmp_path):
             match = re.search(r"serving .* at (http://127\.0\.0\.1:\d+)", line)
             url = match.group(1) if match else None
         assert url is not None, f"no URL printed: {''.join(seen)}"
-        assert httpx.get(f"{url}/v1/training/capabilities").status_code == 200  # public
+        caps = httpx.get(f"{url}/v1/training/capabilities")  # public
+        assert caps.status_code == 200 and caps.json()["models"][0]["compute_dtype"] == "bfloat16"
         assert httpx.post(f"{url}/v1/sessions", json={}).status_code == 401
         created = httpx.post(f"{url}/v1/sessions", json={}, headers={"Authorization": "Bearer secret"})
         assert created.status_code == 201 and created.json()["status"] == "active"

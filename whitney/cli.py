@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-lora-rank", type=int, default=128)
     serve.add_argument("--max-sequences", type=int, default=256, help="sampling: concurrent sequences")
     serve.add_argument("--max-cached-tokens", type=int, default=262_144, help="sampling: KV-cache tokens")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                       help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
+                            "bfloat16 is several times faster on CPUs with AVX-512 BF16")
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -54,7 +57,8 @@ def serve_main(args) -> int:
 
     config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
                            session_timeout=args.session_timeout, max_lora_rank=args.max_lora_rank,
-                           max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens)
+                           max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens,
+                           compute_dtype=args.dtype)
     if args.data_dir:
         config.data_dir = Path(args.data_dir)
     app = create_app(config)

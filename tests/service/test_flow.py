@@ -143,6 +143,7 @@ def test_sft_flow_over_raw_http(server, tiny_llama, tmp_path):
     for kind in ("forward_backward", "optim_step", "save_state", "export_lora"):
         assert kind in caps["operations"]
     assert [m["name"] for m in caps["models"]] == [tiny_llama]
+    assert caps["models"][0]["compute_dtype"] == "float32"  # the default
 
     session = expect(http.post("/v1/sessions", json={"user_metadata": {"job": "sft"}}), 201)
     assert session["status"] == "active"

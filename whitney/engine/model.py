@@ -37,6 +37,9 @@ LAYER_PROJECTIONS = {
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = "lm_head"
+# Dtypes the frozen base weights and activations may use. float32 is the default and the exact path;
+# bfloat16 halves base memory and is several times faster on CPUs with AVX-512 BF16 (and on GPUs).
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cache_dir() -> Path:
@@ -155,7 +158,10 @@ def resolve_model_dir(name: str) -> Path:
 
 
 def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torch.float32) -> BaseModel:
-    """Load a base model's frozen weights and tokenizer. Weights stay float32; `compute_dtype` is for matmuls."""
+    """Load a base model's frozen weights and tokenizer, stored in `compute_dtype` (float32 or bfloat16).
+
+    LoRA weights, optimizer state, log-probs and losses stay float32 in either mode.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_dir(name)
@@ -164,6 +170,9 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
     if cfg.model_type not in SUPPORTED_TYPES:
         raise InvalidInput(f"model type {cfg.model_type!r} is not supported (supported: {SUPPORTED_TYPES})",
                            field="base_model")
+    rotary = hf.model.rotary_emb
+    inv_freq = rotary.inv_freq.detach().float().clone()  # before any cast: RoPE tables stay exact
+    hf.to(compute_dtype)  # frozen weights in the compute dtype (ties kept); a no-op for float32
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     config = ModelConfig(
         model_type=cfg.model_type,
@@ -201,7 +210,6 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    rotary = hf.model.rotary_emb
     for p in hf.parameters():
         p.requires_grad_(False)
     return BaseModel(
@@ -212,7 +220,7 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
         layers=layers,
         final_norm=hf.model.norm.weight.detach(),
         lm_head=hf.lm_head.weight.detach(),
-        inv_freq=rotary.inv_freq.detach().float().clone(),
+        inv_freq=inv_freq,
         rope_scaling=float(rotary.attention_scaling),
         tokenizer=tokenizer,
         eos_token_ids=eos_ids,
@@ -223,28 +231,29 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
 
 
 class _TargetLogprobs(torch.autograd.Function):
-    """lp = logits[target] - logsumexp(logits), with a backward that writes the one [N, V] gradient
-    in place: grad = onehot(target) * g - softmax(logits) * sum_k g. Saves the logits and lse [N] only."""
+    """lp = logits[target] - logsumexp(logits). Forward keeps only the softmax p [N, V] (not the logits);
+    backward turns it into the gradient in place: grad = onehot(target) * g - p * sum_k g."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits, dim=-1)  # [N]
-        ctx.save_for_backward(logits, lse, idx)
-        return logits.gather(-1, idx) - lse[:, None]  # [N, K]
+        p = logits - logits.amax(-1, keepdim=True)  # [N, V], the one new [N, V] tensor
+        shifted = p.gather(-1, idx)  # [N, K]
+        total = p.exp_().sum(-1, keepdim=True)  # [N, 1]
+        p.div_(total)
+        ctx.save_for_backward(p, idx)
+        return shifted - total.log()
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        logits, lse, idx = ctx.saved_tensors
-        grad = logits - lse[:, None]  # [N, V], the only new [N, V] tensor
-        grad.exp_().mul_(-g.sum(-1, keepdim=True))
-        grad.scatter_add_(-1, idx, g)
-        return grad, None
+        p, idx = ctx.saved_tensors  # backward runs once per forward (no retain_graph): p is reused
+        return p.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, idx, g), None
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of the targets. logits [N, V], targets [N] or [N, K] -> [N] or [N, K], float32.
 
-    Computed as logit - logsumexp: besides the logits, no [N, V] tensor is kept, and backward makes one.
+    Computed as logit - logsumexp with one [N, V] tensor besides the logits: kept for backward, where it
+    becomes the gradient in place.
     """
     logits = logits.float()
     if targets.dim() == 1:

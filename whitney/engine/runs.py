@@ -21,7 +21,9 @@ from whitney.engine import opsd
 from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
 from whitney.engine.lora import DEFAULT_MAX_RANK, Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
 from whitney.engine.losses import LossOutput, loss_spec
-from whitney.engine.model import DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, target_logprobs
+from whitney.engine.model import (
+    COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, target_logprobs,
+)
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
 from whitney.engine.transformer import forward_hidden, unembed
@@ -90,16 +92,23 @@ class Engine:
     Not thread-safe: the service drives it from one worker thread.
     """
 
-    def __init__(self, max_lora_rank: int = DEFAULT_MAX_RANK, compute_dtype: torch.dtype = torch.float32,
+    def __init__(self, max_lora_rank: int = DEFAULT_MAX_RANK, compute_dtype: str | torch.dtype = "float32",
                  max_sequences: int = 256, max_cached_tokens: int = 262_144):
         self.max_lora_rank = max_lora_rank
-        self.compute_dtype = compute_dtype
+        if compute_dtype not in COMPUTE_DTYPES and compute_dtype not in COMPUTE_DTYPES.values():
+            raise InvalidInput(f"compute dtype must be one of {list(COMPUTE_DTYPES)}, got {compute_dtype}",
+                               field="compute_dtype")
+        self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)  # base weights, activations
         self.max_sequences = max_sequences  # sampling: concurrent sequences per base model
         self.max_cached_tokens = max_cached_tokens  # sampling: KV-cache tokens per base model
         self.models: dict[str, BaseModel] = {}
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self._checkpoint_adapters: dict[str, Adapter] = {}
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return next(name for name, dt in COMPUTE_DTYPES.items() if dt == self.compute_dtype)
 
     # ---- models and runs -------------------------------------------------------------------
 

@@ -92,8 +92,11 @@ def forward_hidden(base: BaseModel, tokens: torch.Tensor, groups,
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if kv_out is not None:
             kv_out.append((k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.head_dim ** -0.5,
-                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        # In float32 whatever the compute dtype: more exact, and torch's CPU flash-attention backward
+        # is slower in bfloat16 than in float32 (measured 30 vs 17 ms per layer at 8 x 128 tokens).
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                              scale=cfg.head_dim ** -0.5,
+                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads).to(q.dtype)
 
     return _decoder(base, tokens, groups, cos, sin, attend)
 

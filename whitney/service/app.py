@@ -44,6 +44,7 @@ class ServiceConfig:
     max_lora_rank: int = 128
     max_sequences: int = 256  # sampling: concurrent sequences per base model (more wait in a queue)
     max_cached_tokens: int = 262_144  # sampling: KV-cache tokens per base model
+    compute_dtype: str = "float32"  # base weights and activations: "float32" or "bfloat16"
 
 
 def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
@@ -53,7 +54,8 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
     store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}")
     store.recover_after_restart()
     engine = engine or Engine(max_lora_rank=config.max_lora_rank, max_sequences=config.max_sequences,
-                              max_cached_tokens=config.max_cached_tokens)
+                              max_cached_tokens=config.max_cached_tokens,
+                              compute_dtype=config.compute_dtype)
     for name in config.models:
         engine.load_model(name)
     scheduler = Scheduler(engine, store, data_dir, config.max_batch_tokens, config.session_timeout)

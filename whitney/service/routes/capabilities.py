@@ -22,6 +22,7 @@ def capabilities(st: State) -> dict:
             "trainable": True,
             "sampleable": True,
             "max_lora_rank": engine.max_lora_rank,
+            "compute_dtype": engine.compute_dtype_name,
         } for name in st.models],
         "operations": [*TRAINING_KINDS, "sample", "compute_logprobs"],
         "loss_functions": {name: list(keys) for name, keys in LOSS_CONFIG_KEYS.items()},
