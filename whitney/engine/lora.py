@@ -125,10 +125,11 @@ def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MA
     return Adapter(config, A, B)
 
 
-def copy_adapter(adapter: Adapter, trainable: bool = False) -> Adapter:
-    """A detached copy (sampler versions, exports): later training never changes it."""
-    A = {k: v.detach().clone().requires_grad_(trainable) for k, v in adapter.A.items()}
-    B = {k: v.detach().clone().requires_grad_(trainable) for k, v in adapter.B.items()}
+def copy_adapter(adapter: Adapter, trainable: bool = False, dtype: torch.dtype | None = None) -> Adapter:
+    """A detached copy (sampler versions, exports): later training never changes it. `dtype` casts it
+    (the sampler keeps a compute-dtype copy, so decode steps do not cast the float32 weights each time)."""
+    A = {k: v.detach().to(dtype, copy=True).requires_grad_(trainable) for k, v in adapter.A.items()}
+    B = {k: v.detach().to(dtype, copy=True).requires_grad_(trainable) for k, v in adapter.B.items()}
     return Adapter(adapter.config, A, B)
 
 
@@ -180,10 +181,17 @@ class RowGroups:
         return y + (pieces[0] if len(pieces) == 1 else torch.cat(pieces))
 
     def _apply_scattered(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Index groups (the decode batch, no autograd): add each group's delta in place."""
+        """Index groups (the decode batch, no autograd): add each group's delta in place.
+
+        Deltas are computed in float32 whatever the compute dtype: at a few rows these thin matmuls are
+        2-9x faster in float32 than in bfloat16 on CPU (measured 13 vs 32-119 us at 16 rows), and exact.
+        """
         for rows, adapter in self.bounds:
             if adapter is not None and name in adapter.A:
-                y[rows] += _delta(adapter, name, x[rows])
+                if len(rows) == y.shape[0]:  # every row (in some order): the delta is row-wise, no gather
+                    y += _delta(adapter, name, x.float()).to(y.dtype)
+                else:
+                    y[rows] += _delta(adapter, name, x[rows].float()).to(y.dtype)
         return y
 
     def rows(self, counts: list[int]) -> "RowGroups":

@@ -99,6 +99,8 @@ class BaseModel:
     linear_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     # per layer: projection name -> its module path (the key of its LoRA weights)
     layer_paths: list[dict[str, str]] = field(default_factory=list)
+    # oneDNN-prepacked bfloat16 linear weights for passes without autograd; see transformer.prepacked
+    packed: dict | None = None
 
 
 def module_path(layer: int, projection: str) -> str:

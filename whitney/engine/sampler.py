@@ -135,10 +135,12 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, t
     sampled = [b for b, p in enumerate(params) if p.temperature > 0 and p.top_k != 1]
     if sampled:
         idx = torch.tensor(sampled)
-        scores = logits[idx].float()  # [S, V]
+        scores = logits.float() if len(sampled) == len(rows) else logits[idx].float()  # [S, V]
         temps = torch.tensor([params[b].temperature for b in sampled], dtype=torch.float32)
         # Max subtracted first so that a tiny temperature cannot overflow to inf.
-        scores = (scores - scores.max(-1, keepdim=True).values) / temps.clamp(min=1e-30)[:, None]
+        scores = scores - scores.max(-1, keepdim=True).values
+        if bool((temps != 1).any()):
+            scores = scores / temps.clamp(min=1e-30)[:, None]
         ks = torch.tensor([params[b].top_k if params[b].top_k > 1 else 0 for b in sampled])
         if bool((ks > 0).any()):
             top = torch.topk(scores, int(ks.max()), dim=-1).values  # [S, kmax]
@@ -152,11 +154,10 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, t
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_ps[:, None]
             probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-        cdf = torch.cumsum(probs, dim=-1)
-        cdf = cdf / cdf[:, -1:]
+        cdf = torch.cumsum(probs, dim=-1)  # [S, V], unnormalised: u is scaled to each row's total instead
         u = torch.cat([torch.rand(1, generator=rows[b].generator, dtype=torch.float64) for b in sampled])
         # right=True: the first token whose cumulative mass exceeds u; a zero-probability token never is.
-        picks = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
         chosen[idx] = picks
     return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
 

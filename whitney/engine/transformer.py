@@ -42,6 +42,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def prepacked(base: BaseModel) -> dict | None:
+    """Prepacked copies of a bfloat16 base's linear weights ({(layer, name) | "lm_head": packed}), for
+    passes without autograd (sampling, scoring): oneDNN otherwise re-lays-out every weight on every call,
+    and small-batch decode matmuls are ~40% faster packed (measured), bitwise equal. Costs one more copy
+    of the linear weights, built on first use. None for float32 (its exact path) or without oneDNN."""
+    if base.compute_dtype != torch.bfloat16 or torch.is_grad_enabled():
+        return None
+    if base.packed is None:
+        try:
+            pack = torch.ops.mkldnn._reorder_linear_weight
+            packed = {(i, name): pack(w, 16) for i, lw in enumerate(base.layers) for name, w in lw.linear.items()}
+            packed["lm_head"] = pack(base.lm_head, 16)
+            base.packed = packed
+        except (RuntimeError, AttributeError):
+            base.packed = {}
+    return base.packed or None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -55,11 +79,12 @@ def _decoder(base: BaseModel, tokens: torch.Tensor, groups, cos: torch.Tensor, s
     cfg = base.config
     B, T = tokens.shape
     dt = base.compute_dtype
+    packed = prepacked(base)
     h = base.embed[tokens].to(dt)  # [B, T, D]
     for layer, (lw, paths) in enumerate(zip(base.layers, base.layer_paths)):
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
-            y = F.linear(x, lw.linear[name].to(dt), lw.bias[name].to(dt) if name in lw.bias else None)
+            y = _linear(x, lw.linear[name], lw.bias.get(name), packed and packed[(layer, name)])
             return groups.apply(paths[name], x, y)
 
         x = rms_norm(h, lw.input_norm, cfg.rms_eps)
@@ -157,17 +182,19 @@ def decode_hidden(base: BaseModel, tokens: torch.Tensor, groups, cache: KVCache)
     pos = cache.lengths  # [B] position of the new token in each row
     S = int(pos.max()) + 1
     cache.grow(S)
-    cfg_kv = (tokens.shape[0], cfg.num_kv_heads, 1, cfg.head_dim)
-    write_at = pos.view(-1, 1, 1, 1).expand(cfg_kv)  # [B, G, 1, E]: each row's slot for the new key
+    rows = torch.arange(tokens.shape[0])
     cos, sin = rope_tables(base, pos[:, None], base.compute_dtype)  # [B, 1, 1, E]
     mask = (torch.arange(S)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, S]
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache.k[layer].scatter_(2, write_at, k.to(cache.k[layer].dtype))
-        cache.v[layer].scatter_(2, write_at, v.to(cache.v[layer].dtype))
-        return F.scaled_dot_product_attention(q, cache.k[layer][:, :, :S], cache.v[layer][:, :, :S],
-                                              attn_mask=mask, scale=cfg.head_dim ** -0.5,
-                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        # Row b's new key and value go to slot pos[b] (an index_put: scatter_ copied the whole cache).
+        cache.k[layer][rows, :, pos] = k[:, :, 0].to(cache.k[layer].dtype)  # [B, G, E]
+        cache.v[layer][rows, :, pos] = v[:, :, 0].to(cache.v[layer].dtype)
+        # float32, as in forward_hidden (bfloat16 SDPA on CPU: 930 vs 260 us per layer at 16 rows).
+        return F.scaled_dot_product_attention(q.float(), cache.k[layer][:, :, :S].float(),
+                                              cache.v[layer][:, :, :S].float(), attn_mask=mask,
+                                              scale=cfg.head_dim ** -0.5,
+                                              enable_gqa=cfg.num_heads != cfg.num_kv_heads).to(q.dtype)
 
     hidden = _decoder(base, tokens[:, None], groups, cos, sin, attend)  # [B, 1, D]
     cache.lengths = pos + 1
@@ -176,7 +203,7 @@ def decode_hidden(base: BaseModel, tokens: torch.Tensor, groups, cache: KVCache)
 
 def unembed(base: BaseModel, hidden: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     """Logits [R, V] (float32) for hidden rows [R, D]; groups index the R rows."""
-    dt = base.compute_dtype
-    hidden = hidden.to(dt)
-    logits = hidden @ base.lm_head.to(dt).T
+    hidden = hidden.to(base.compute_dtype)
+    packed = prepacked(base)
+    logits = _linear(hidden, base.lm_head, None, packed and packed["lm_head"])  # [R, V]
     return groups.apply(UNEMBED, hidden, logits).float()
