@@ -31,7 +31,7 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	touch $(VENV)/.bench-installed
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench bench-peers
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -44,3 +44,8 @@ test: $(VENV)/.test-installed
 # BENCH_ARGS=--quick for a smoke run (about 2 minutes), BENCH_ARGS='--only sampling' for one.
 bench: $(VENV)/.bench-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench $(BENCH_ARGS)
+
+# Against SkyRL tx through the official SDK (issue 6, item 7). SkyRL's install is large (about 7 GB, Python 3.12):
+#   SMOL_SRC=~/.cache/whitney/models/SmolLM2-135M-Instruct MODEL_PY=$(BIN)/python bash ../shared/peers/skyrl/setup.sh
+bench-peers: $(VENV)/.bench-installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench --only peers $(BENCH_ARGS)

@@ -16,14 +16,14 @@ import time
 from bench.common import percentile, sft_batch, start_server
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dtype: str = "float32") -> dict:
     import whitney
 
     wakeups_n, trips_n = (5, 10) if quick else (30, 100)
     batch = sft_batch(1, 32 if quick else 128, seed=5)
     wake, trip, trivial = [], [], []
     missed = 0
-    with start_server() as server:
+    with start_server("--dtype", dtype) as server:
         client = whitney.Client(server.url, timeout=120)
         session = client.create_session(purpose="bench-latency")
         run_ = session.create_run(rank=8, train_mlp=False, train_unembed=False)

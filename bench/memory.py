@@ -11,10 +11,10 @@ from __future__ import annotations
 from bench.common import median, sft_batch, start_server
 
 
-def measure(n_runs: int, rank: int, batch: list[dict]) -> dict:
+def measure(n_runs: int, rank: int, batch: list[dict], dtype: str = "float32") -> dict:
     import whitney
 
-    with start_server() as server:
+    with start_server("--dtype", dtype) as server:
         idle = server.status()
         client = whitney.Client(server.url, timeout=600)
         session = client.create_session(purpose="bench-memory")
@@ -28,19 +28,19 @@ def measure(n_runs: int, rank: int, batch: list[dict]) -> dict:
     return {"runs": n_runs, "idle_hwm_kib": idle["VmHWM"], "hwm_kib": after["VmHWM"], "rss_kib": after["VmRSS"]}
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dtype: str = "float32") -> dict:
     few, many, rounds, batch_size, length, rank = (1, 2, 1, 2, 32, 8) if quick else (1, 8, 2, 2, 128, 32)
     batch = sft_batch(batch_size, length, seed=3)
     samples: dict[int, list[dict]] = {few: [], many: []}
     for r in range(rounds):
         for n in (few, many):
-            samples[n].append(measure(n, rank, batch))
+            samples[n].append(measure(n, rank, batch, dtype))
             print(f"  memory round {r} {n} runs: peak RSS {samples[n][-1]['hwm_kib'] / 1024:.0f} MiB", flush=True)
     peak = {n: median([s["hwm_kib"] for s in v]) / 1024 for n, v in samples.items()}
     return {
         "benchmark": "memory",
         "settings": {"runs": [few, many], "rank": rank, "batch": batch_size, "seq_len": length, "rounds": rounds,
-                     "dtype": "float32"},
+                     "dtype": dtype},
         "peak_rss_mib": {str(n): v for n, v in peak.items()},
         "raw": {str(n): v for n, v in samples.items()},
         "checks": [{"name": f"memory: peak RSS of the server with {many} runs / with {few} run",

@@ -57,21 +57,21 @@ def peft_loop(model_dir: str, rank: int, dtype: str = "float32", train_unembed: 
     return step, sum(p.numel() for p in params)
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dtype: str = "float32") -> dict:
     import whitney
 
     steps, rounds, batch_size, length, rank = (1, 1, 2, 32, 8) if quick else (3, 3, 8, 128, 32)
     batch = sft_batch(batch_size, length, seed=1)
     tokens_per_step = batch_size * length
 
-    engine = Engine()
+    engine = Engine(compute_dtype=dtype)
     base = engine.load_model(DEFAULT_MODEL)
     engine.create_run("bench", lora=LoraConfig(rank=rank))
     datums = engine_datums(batch)
-    plain_step, peft_params = peft_loop(str(base.path), rank)
+    plain_step, peft_params = peft_loop(str(base.path), rank, dtype)
     whitney_params = sum(p.numel() for p in engine.runs["bench"].weights().values())
 
-    with start_server() as server:
+    with start_server("--dtype", dtype) as server:
         client = whitney.Client(server.url, timeout=600)
         session = client.create_session(purpose="bench-overhead")
         run_ = session.create_run(rank=rank)
@@ -103,7 +103,7 @@ def run(quick: bool = False) -> dict:
     return {
         "benchmark": "overhead",
         "settings": {"steps_per_round": steps, "rounds": rounds, "batch": batch_size, "seq_len": length,
-                     "rank": rank, "train_unembed": True, "dtype": "float32",
+                     "rank": rank, "train_unembed": True, "dtype": dtype,
                      "trainable_params": {"whitney": whitney_params, "peft": peft_params}},
         "seconds_per_step": med,
         "tokens_per_s": {k: tokens_per_step / v for k, v in med.items()},

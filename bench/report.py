@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling"]
+ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "peers"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -19,8 +19,10 @@ def load(results_dir: Path) -> dict[str, dict]:
 
 
 def verdict(c: dict) -> str:
-    if c.get("target") is None or c.get("ratio") is None:
+    if c.get("target") is None:
         return "info"
+    if c.get("ratio") is None:
+        return "**not measured**"
     r, t = c["ratio"], c["target"]
     ok = {"<=": r <= t, ">=": r >= t, "<": r < t, ">": r > t}[c["op"]]
     return "**pass**" if ok else "**miss**"
@@ -50,8 +52,9 @@ def absolute(name: str, r: dict) -> str:
         few, many = min(peaks), max(peaks)
         extra = (peaks[many] - peaks[few]) / (many - few) if many > few else float("nan")
         return (", ".join(f"{k} run(s): {v:.0f} MiB" for k, v in peaks.items())
-                + f"; {extra:.0f} MiB per extra run (a run holds its adapter, gradient accumulator and two AdamW "
-                f"moments: 4 float32 copies of its LoRA weights)")
+                + f"; {extra:.0f} MiB per extra run (an idle run that has stepped holds its adapter and two "
+                f"AdamW moments: 3 float32 copies of its LoRA weights; gradients exist only between "
+                f"forward_backward and optim_step)")
     if name == "sampling":
         return ", ".join(f"{k} {v:.1f} tok/s" for k, v in r["tokens_per_s"].items())
     if name == "latency":
@@ -64,6 +67,17 @@ def absolute(name: str, r: dict) -> str:
         per_tok = ", ".join(f"{k}: {v:.1f}" for k, v in r["sampling_ms_per_token"].items())
         return (f"step by length (batch 1) {by_len}; by batch (length {r['settings']['length_for_batches']}) "
                 f"{by_batch}; sampling ms/token by concurrency {per_tok}")
+    if name == "peers":
+        parts = []
+        for who, x in r["results"].items():
+            if "missing" in x:
+                parts.append(f"{who}: not measured ({x['missing'][:200]})")
+                continue
+            parts.append(f"{who}: (a) {x.get('a_tokens_per_s_median', '-')} tok/s (median step "
+                         f"{x.get('a_median_step_s', '-')} s), (b) {x.get('b_tokens_per_s_median', '-')} tok/s, "
+                         f"(c) p50 {x.get('c_median_ms', '-')} ms / p90 {x.get('c_p90_ms', '-')} ms "
+                         f"(SDK {x.get('sdk', '?')}, load {x.get('loadavg_start', '?')})")
+        return "; ".join(parts)
     return ""
 
 
@@ -178,7 +192,10 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "",
         f"- CPU: {m.get('cpu', '?')}, {m.get('cores', '?')} cores (AVX-512 BF16: {m.get('avx512_bf16', '?')})",
         f"- torch {m.get('torch', '?')} ({m.get('torch_threads', '?')} threads), Python {m.get('python', '?')}",
-        "- dtype: float32 on every side (Whitney's default compute dtype, HF/PEFT loaded in float32)",
+        "- dtype of every side of each comparison (Whitney's compute dtype, and HF/PEFT's load dtype): "
+        + ", ".join(f"{n}: {r.get('dtype', r.get('settings', {}).get('dtype', '?'))}" for n, r in results.items())
+        + ". In bfloat16 mode Whitney keeps LoRA weights, gradients, optimizer state, log-probs and losses in "
+        "float32 (PEFT keeps its adapters in float32 too).",
         "- load average (1/5/15 min) when each benchmark started and ended, since other processes may share "
         "the CPU:",
     ]
@@ -221,8 +238,12 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "Target p50 < 20 ms each.",
         "- **scaling**: in-process engine; step time vs sequence length and batch size, sampling time per token "
         "vs concurrent sequences; exponent = least-squares slope of log time vs log size.",
-        "- Not here yet: the peer comparison of issue 6 item 7 (`../shared/peers/bench_sdk.py` against SkyRL "
-        "tx), which needs SkyRL installed and is a separate command.",
+        "- **peers** (`make bench-peers`, after `../shared/peers/skyrl/setup.sh`): `../shared/peers/bench_sdk.py` "
+        "through the official SDK against `whitney serve` (SDK 0.38, LoRA clients with train_unembed=False as "
+        "SkyRL trains no unembedding adapter) and against SkyRL tx 0.4.0 (JAX, float32, its pinned SDK 0.25; "
+        "`run_bench.sh`, 2 adapter slots): (a) SFT rank 32, 8 x 128 tokens, pipelined, median over 10 steps; "
+        "(b) 16 concurrent samples of 64 tokens, median over 3 waves; (c) forward of 1 x 8 tokens, p50 of 20. "
+        "Targets >= 1.2x, >= 2x, < 20 ms.",
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"

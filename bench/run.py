@@ -5,7 +5,8 @@
     python -m bench --only sampling     # one benchmark (repeatable or comma-separated); the report is
                                         # re-rendered from every result file present
 
-Benchmarks: overhead, sharing, memory, sampling, latency, scaling (see each module's docstring).
+Benchmarks: overhead, sharing, memory, sampling, latency, scaling (see each module's docstring), and
+peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official SDK; needs SkyRL set up).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling"]
+OPTIONAL = ["peers"]  # needs SkyRL installed (../shared/peers/skyrl/setup.sh): `make bench-peers`
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,13 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny settings, a few seconds each (smoke run)")
     parser.add_argument("--only", action="append", default=[], help=f"benchmark name(s): {', '.join(BENCHMARKS)}")
     parser.add_argument("--no-report", action="store_true", help="write JSON only")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="Whitney's compute dtype and the baselines' (default: bfloat16 on CPUs with AVX-512 "
+                             "BF16, else float32)")
     args = parser.parse_args(argv)
     names = [n.strip() for o in args.only for n in o.split(",") if n.strip()] or BENCHMARKS
-    unknown = [n for n in names if n not in BENCHMARKS]
+    unknown = [n for n in names if n not in BENCHMARKS + OPTIONAL]
     if unknown:
-        parser.error(f"unknown benchmark(s) {unknown}; known: {BENCHMARKS}")
+        parser.error(f"unknown benchmark(s) {unknown}; known: {BENCHMARKS + OPTIONAL}")
 
     from bench.common import machine
+
+    dtype = args.dtype or ("bfloat16" if machine()["avx512_bf16"] else "float32")
 
     results_dir = ROOT / "bench" / "results" / ("quick" if args.quick else "")
     docs_dir = results_dir if args.quick else ROOT / "docs"
@@ -47,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     t_all = time.perf_counter()
     for name in names:
-        print(f"== {name}{' (quick)' if args.quick else ''}", flush=True)
+        print(f"== {name}{' (quick)' if args.quick else ''} ({dtype})", flush=True)
         before = machine()
         t = time.perf_counter()
         try:
-            result = importlib.import_module(f"bench.{name}").run(quick=args.quick)
+            result = importlib.import_module(f"bench.{name}").run(quick=args.quick, dtype=dtype)
         except Exception as e:  # keep going: one broken benchmark should not hide the others
             import traceback
 
@@ -60,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"benchmark": name, "error": f"{type(e).__name__}: {e}", "checks": []}
         result["elapsed_s"] = time.perf_counter() - t
         result["quick"] = args.quick
+        result["dtype"] = dtype
         result["machine"] = before
         result["load_average_after"] = list(os.getloadavg())
         result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")

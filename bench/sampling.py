@@ -82,14 +82,14 @@ def run_hf_batch(model, ids: list[list[int]], tokens: int) -> int:
 
 
 def measure(rounds: int = 3, requests: int = 16, tokens: int = 64, http: bool = False, engine_too: bool = True,
-            each_requests: int | None = None) -> dict:
+            each_requests: int | None = None, dtype: str = "float32") -> dict:
     """Tokens/s of each contender (medians over rounds) and the ratios against both HF baselines."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    engine = Engine()
+    engine = Engine(compute_dtype=dtype)
     base = engine.load_model(DEFAULT_MODEL)
-    hf = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(base.path, dtype=getattr(torch, dtype)).eval()
     ids = prompts(base.tokenizer, requests)
     each_ids = ids[:each_requests] if each_requests else ids
     contenders = {}
@@ -98,7 +98,7 @@ def measure(rounds: int = 3, requests: int = 16, tokens: int = 64, http: bool = 
         import whitney
         from bench.common import start_server
 
-        server = start_server()
+        server = start_server("--dtype", dtype)
         client = whitney.Client(server.url, timeout=600)
         contenders["whitney_http"] = lambda: run_whitney_http(client, ids, tokens)
     if engine_too or not http:
@@ -127,7 +127,7 @@ def measure(rounds: int = 3, requests: int = 16, tokens: int = 64, http: bool = 
     med = {k: statistics.median(v) for k, v in rates.items()}
     main = "whitney_http" if http else "whitney"
     return {
-        "benchmark": "sampling", "requests": requests, "new_tokens": tokens, "dtype": "float32",
+        "benchmark": "sampling", "requests": requests, "new_tokens": tokens, "dtype": dtype,
         "hf_each_requests": len(each_ids), "rounds": rounds, "measured": main,
         "tokens_per_s": med, "raw_tokens_per_s": rates,
         "ratio_vs_hf_each": med[main] / med["hf_each"],
@@ -137,15 +137,15 @@ def measure(rounds: int = 3, requests: int = 16, tokens: int = 64, http: bool = 
     }
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dtype: str = "float32") -> dict:
     """The suite's entry: through the server, with the in-process engine alongside for reference."""
     if quick:
-        result = measure(rounds=1, requests=4, tokens=8, http=True, engine_too=True, each_requests=2)
+        result = measure(rounds=1, requests=4, tokens=8, http=True, engine_too=True, each_requests=2, dtype=dtype)
     else:
-        result = measure(rounds=3, requests=16, tokens=64, http=True, engine_too=True, each_requests=4)
+        result = measure(rounds=3, requests=16, tokens=64, http=True, engine_too=True, each_requests=4, dtype=dtype)
     n, t = result["requests"], result["new_tokens"]
     result["settings"] = {"requests": n, "new_tokens": t, "rounds": result["rounds"],
-                          "hf_each_requests": result["hf_each_requests"], "dtype": "float32"}
+                          "hf_each_requests": result["hf_each_requests"], "dtype": dtype}
     checks = [
         {"name": f"sampling: {n} x {t} tokens through the server / HF generate per request",
          "ratio": result["ratio_vs_hf_each"], "target": 3.0, "op": ">="},

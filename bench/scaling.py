@@ -27,7 +27,7 @@ def exponent(xs: list[float], ys: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den if den else float("nan")
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dtype: str = "float32") -> dict:
     from bench.sampling import prompts
 
     if quick:
@@ -36,7 +36,7 @@ def run(quick: bool = False) -> dict:
         lengths, batches, concurrency, new_tokens, reps = [128, 256, 512, 1024], [1, 2, 4, 8], \
             [1, 2, 4, 8, 16, 32, 64], 32, 3
     rank = 8 if quick else 32
-    engine = Engine()
+    engine = Engine(compute_dtype=dtype)
     base = engine.load_model(DEFAULT_MODEL)
     engine.create_run("scale", lora=LoraConfig(rank=rank))
 
@@ -84,7 +84,7 @@ def run(quick: bool = False) -> dict:
         "benchmark": "scaling",
         "settings": {"lengths": lengths, "batches": batches, "batch_for_lengths": 1, "length_for_batches": lengths[0],
                      "concurrency": concurrency, "new_tokens": new_tokens, "reps": reps, "rank": rank,
-                     "dtype": "float32"},
+                     "dtype": dtype},
         "step_seconds_by_length": {str(k): v for k, v in seq_med.items()},
         "step_seconds_by_batch": {str(k): v for k, v in batch_med.items()},
         "sampling_seconds_by_concurrency": {str(k): v for k, v in samp_med.items()},

@@ -10,14 +10,14 @@ import threading
 from bench.common import alternate, median, sft_batch, start_server
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, dtype: str = "float32") -> dict:
     import whitney
 
     n_runs, steps, rounds, batch_size, length, rank = (2, 1, 1, 2, 32, 8) if quick else (4, 3, 3, 2, 128, 32)
     batches = [sft_batch(batch_size, length, seed=10 + i) for i in range(n_runs)]
     total_tokens = n_runs * steps * batch_size * length
 
-    with start_server() as server:
+    with start_server("--dtype", dtype) as server:
         clients = [whitney.Client(server.url, timeout=600) for _ in range(n_runs)]
         sessions = [c.create_session(purpose=f"bench-sharing-{i}") for i, c in enumerate(clients)]
         runs = [s.create_run(rank=rank, seed=i) for i, s in enumerate(sessions)]
@@ -52,7 +52,7 @@ def run(quick: bool = False) -> dict:
     return {
         "benchmark": "sharing",
         "settings": {"runs": n_runs, "steps_per_run": steps, "rounds": rounds, "batch": batch_size,
-                     "seq_len": length, "rank": rank, "dtype": "float32"},
+                     "seq_len": length, "rank": rank, "dtype": dtype},
         "seconds_per_round": med,
         "tokens_per_s": throughput,
         "raw_seconds_per_round": times,
