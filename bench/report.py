@@ -46,7 +46,13 @@ def absolute(name: str, r: dict) -> str:
         s = r["seconds_per_step"]
         return ", ".join(f"{k} {v:.2f} s/step ({r['tokens_per_s'][k]:.0f} tok/s)" for k, v in s.items())
     if name == "sharing":
-        return ", ".join(f"{k} {v:.0f} tok/s ({r['seconds_per_round'][k]:.1f} s)" for k, v in r["tokens_per_s"].items())
+        out = ", ".join(f"{k} {v:.0f} tok/s ({r['seconds_per_round'][k]:.1f} s)" for k, v in r["tokens_per_s"].items())
+        c = r.get("ceiling")
+        if c:
+            out += (f"; in-process forward_backward of all runs: mixed batch {c['seconds']['mixed']:.2f} s, one call "
+                    f"each {c['seconds']['separate']:.2f} s; matmul {c['matmul_gflops']['all_rows']:.0f} vs "
+                    f"{c['matmul_gflops']['one_run_rows']:.0f} GFLOP/s")
+        return out
     if name == "memory":
         peaks = {int(k): v for k, v in r["peak_rss_mib"].items()}
         few, many = min(peaks), max(peaks)
