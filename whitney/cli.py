@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_main(args) -> int:
-    import uvicorn
+    import signal
 
     from whitney.engine import DEFAULT_MODEL
-    from whitney.service.app import ServiceConfig, create_app
+    from whitney.service.app import ServiceConfig, create_app, serve_in_thread
 
     config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
                            session_timeout=args.session_timeout, max_lora_rank=args.max_lora_rank,
@@ -61,17 +61,17 @@ def serve_main(args) -> int:
                            compute_dtype=args.dtype)
     if args.data_dir:
         config.data_dir = Path(args.data_dir)
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    original = server.startup
-
-    async def startup(sockets=None):
-        await original(sockets)
-        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-        print(f"Whitney is serving {', '.join(config.models)} at http://{args.host}:{port}", flush=True)
-
-    server.startup = startup
-    server.run()
+    # HTTP on a thread, the engine's worker loop on the main thread (see Scheduler.run for why).
+    app = create_app(config, worker_thread=False)
+    scheduler = app.state.whitney.scheduler
+    server = serve_in_thread(app, args.host, args.port)
+    print(f"Whitney is serving {', '.join(config.models)} at {server.url}", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: scheduler.stop())
+    try:
+        scheduler.run()
+    finally:
+        server.stop()
     return 0
 
 

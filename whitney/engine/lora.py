@@ -126,11 +126,10 @@ def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MA
     return Adapter(config, A, B)
 
 
-def copy_adapter(adapter: Adapter, trainable: bool = False, dtype: torch.dtype | None = None) -> Adapter:
-    """A detached copy (sampler versions, exports): later training never changes it. `dtype` casts it
-    (the sampler keeps a compute-dtype copy, so decode steps do not cast the float32 weights each time)."""
-    A = {k: v.detach().to(dtype, copy=True).requires_grad_(trainable) for k, v in adapter.A.items()}
-    B = {k: v.detach().to(dtype, copy=True).requires_grad_(trainable) for k, v in adapter.B.items()}
+def copy_adapter(adapter: Adapter, trainable: bool = False) -> Adapter:
+    """A detached copy (sampler versions, exports): later training never changes it."""
+    A = {k: v.detach().clone().requires_grad_(trainable) for k, v in adapter.A.items()}
+    B = {k: v.detach().clone().requires_grad_(trainable) for k, v in adapter.B.items()}
     return Adapter(adapter.config, A, B)
 
 

@@ -47,8 +47,12 @@ class ServiceConfig:
     compute_dtype: str = "float32"  # base weights and activations: "float32" or "bfloat16"
 
 
-def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
-    """Build the app. The base models are loaded here, before the first request."""
+def create_app(config: ServiceConfig, engine: Engine | None = None, worker_thread: bool = True) -> FastAPI:
+    """Build the app. The base models are loaded here, before the first request.
+
+    worker_thread=False leaves the scheduler's worker loop to the caller (`scheduler.run()` on the main
+    thread, as `whitney serve` does); the app then serves from another thread (`serve_in_thread`).
+    """
     data_dir = Path(config.data_dir).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}")
@@ -62,7 +66,8 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        scheduler.start()
+        if worker_thread:
+            scheduler.start()
         yield
         scheduler.stop()
 
@@ -153,7 +158,7 @@ def _plain(errors: list[dict]) -> list[dict]:
 
 @dataclass
 class ThreadedServer:
-    """A uvicorn server running an app in a background thread (demo, tests)."""
+    """A uvicorn server running an app in a background thread (whitney serve, the demo, tests)."""
 
     url: str
     server: object  # uvicorn.Server

@@ -60,12 +60,20 @@ class Scheduler:
     # ---- from any thread ----------------------------------------------------------------
 
     def start(self) -> None:
+        """Run the worker loop on its own thread (tests, the demo's in-process server)."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the worker loop on the calling thread until stop(). `whitney serve` runs it on the main
+        thread: torch's OpenMP kernels launched from any other thread pay 50-120 us more per call here
+        (libgomp keeps no spinning team for them), which halved decode throughput."""
+        self._loop()
 
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn() on the worker thread (the engine's only user); the future carries its result."""
