@@ -40,7 +40,7 @@ demo: $(STAMP)
 test: $(VENV)/.test-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
-# Every benchmark, side by side; writes bench/results/*.json, docs/BENCHMARKS.md and docs/bench_*.png.
+# Every benchmark but the peers, side by side; writes bench/results/*.json, docs/BENCHMARKS.md and docs/bench_*.png.
 # BENCH_ARGS=--quick for a smoke run (about 2 minutes), BENCH_ARGS='--only sampling' for one.
 bench: $(VENV)/.bench-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench $(BENCH_ARGS)

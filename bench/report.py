@@ -174,6 +174,17 @@ def plots(results: dict[str, dict], out_dir: Path) -> list[str]:
             else:
                 ax.set_title(f"wall time exponent {r['exponent_sampling']:.2f}", fontsize=10)
         save(fig, "bench_scaling.png")
+    r = results.get("peers")
+    if r and "error" not in r:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+        who = [k for k, x in r["results"].items() if "missing" not in x]
+        for ax, key, ylabel, title in [
+            (axes[0], "a_tokens_per_s_median", "tokens/s (median)", "(a) SFT, r32, 8 x 128, pipelined"),
+            (axes[1], "b_tokens_per_s_median", "tokens/s (median)", "(b) 16 samples x 64 tokens"),
+            (axes[2], "c_median_ms", "ms (p50)", "(c) trivial forward round trip"),
+        ]:
+            bars(ax, who, [r["results"][k].get(key, float("nan")) for k in who], ylabel, title)
+        save(fig, "bench_peers.png")
     return made
 
 
