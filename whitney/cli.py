@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_main(args) -> int:
     import signal
+    import threading
 
     from whitney.engine import DEFAULT_MODEL
     from whitney.service.app import ServiceConfig, create_app, serve_in_thread
@@ -68,6 +69,8 @@ def serve_main(args) -> int:
     print(f"Whitney is serving {', '.join(config.models)} at {server.url}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: scheduler.stop())
+    # Should the HTTP thread ever end on its own, stop the worker too rather than serve nothing.
+    threading.Thread(target=lambda: (server.thread.join(), scheduler.stop()), daemon=True).start()
     try:
         scheduler.run()
     finally:
