@@ -247,7 +247,10 @@ class _TargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        p, idx = ctx.saved_tensors  # backward runs once per forward (no retain_graph): p is reused
+        if getattr(ctx, "spent", False):  # p became the gradient the first time
+            raise RuntimeError("_TargetLogprobs supports one backward per forward (no retain_graph)")
+        ctx.spent = True
+        p, idx = ctx.saved_tensors
         return p.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, idx, g), None
 
 
