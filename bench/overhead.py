@@ -22,7 +22,7 @@ from whitney.engine import DEFAULT_MODEL, Engine, LoraConfig
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
-def peft_loop(model_dir: str, rank: int, dtype: str = "float32", train_unembed: bool = True):
+def peft_loop(model_dir: str, rank: int, dtype: str = "float32"):
     """A plain PyTorch + PEFT training step doing Whitney's math; returns step(batch) -> loss.
 
     The base model is loaded in `dtype`; PEFT keeps the LoRA weights in float32 (autocast_adapter_dtype)
@@ -34,10 +34,10 @@ def peft_loop(model_dir: str, rank: int, dtype: str = "float32", train_unembed: 
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    modules = TARGET_MODULES if train_unembed else [m for m in TARGET_MODULES if m != "lm_head"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(hf, PeftLora(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=modules))
+        model = get_peft_model(hf, PeftLora(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                                            target_modules=TARGET_MODULES))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)

@@ -113,35 +113,28 @@ def plots(results: dict[str, dict], out_dir: Path) -> list[str]:
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
 
-    r = results.get("overhead")
-    if r and "error" not in r:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        s = r["seconds_per_step"]
-        st = r["settings"]
-        bars(ax, list(s), list(s.values()), "seconds per step (median)",
-             f"SFT step, {st['batch']} x {st['seq_len']} tokens, LoRA r{st['rank']}")
-        save(fig, "bench_overhead.png")
-    r = results.get("sharing")
-    if r and "error" not in r:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        t = r["tokens_per_s"]
-        bars(ax, list(t), list(t.values()), "aggregate tokens/s (median)",
-             f"{r['settings']['runs']} runs at once vs one after another")
-        save(fig, "bench_sharing.png")
-    r = results.get("memory")
-    if r and "error" not in r:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        m = r["peak_rss_mib"]
-        bars(ax, [f"{k} run(s)" for k in m], list(m.values()), "server peak RSS (MiB)",
-             f"whitney serve, LoRA r{r['settings']['rank']}, one step each")
-        save(fig, "bench_memory.png")
-    r = results.get("sampling")
-    if r and "error" not in r:
-        fig, ax = plt.subplots(figsize=(5.5, 3.2))
-        t = r["tokens_per_s"]
-        bars(ax, list(t), list(t.values()), "generated tokens/s (median)",
-             f"{r['requests']} requests x {r['new_tokens']} new tokens")
-        save(fig, "bench_sampling.png")
+    def bar_plot(name: str, labels, values, ylabel: str, title: str, width: float = 5) -> None:
+        fig, ax = plt.subplots(figsize=(width, 3.2))
+        bars(ax, list(labels), list(values), ylabel, title)
+        save(fig, f"bench_{name}.png")
+
+    ok = {name: r for name, r in results.items() if "error" not in r}
+    if "overhead" in ok:
+        r, st = ok["overhead"], ok["overhead"]["settings"]
+        bar_plot("overhead", r["seconds_per_step"], r["seconds_per_step"].values(), "seconds per step (median)",
+                 f"SFT step, {st['batch']} x {st['seq_len']} tokens, LoRA r{st['rank']}")
+    if "sharing" in ok:
+        r = ok["sharing"]
+        bar_plot("sharing", r["tokens_per_s"], r["tokens_per_s"].values(), "aggregate tokens/s (median)",
+                 f"{r['settings']['runs']} runs at once vs one after another")
+    if "memory" in ok:
+        r = ok["memory"]
+        bar_plot("memory", [f"{k} run(s)" for k in r["peak_rss_mib"]], r["peak_rss_mib"].values(),
+                 "server peak RSS (MiB)", f"whitney serve, LoRA r{r['settings']['rank']}, one step each")
+    if "sampling" in ok:
+        r = ok["sampling"]
+        bar_plot("sampling", r["tokens_per_s"], r["tokens_per_s"].values(), "generated tokens/s (median)",
+                 f"{r['requests']} requests x {r['new_tokens']} new tokens", width=5.5)
     r = results.get("latency")
     if r and "error" not in r:
         fig, ax = plt.subplots(figsize=(5, 3.2))
