@@ -457,3 +457,29 @@ def test_teacher_field_sized_by_teacher_stream(engine, vrun):
     d = good()
     d["teacher_kl_mask"] = d["teacher_kl_mask"][:-1]  # [M - 1], not [M]
     assert_rejected(engine, vrun, d, "teacher_kl_mask", text="shape")
+
+
+def test_micro_batches_merge_to_one_pass(tiny_llama):
+    """opsd in micro-batches (one row each, gradients staged) equals one pass: its KL and CE means are
+    merged by their own counts (KL pairs, supervised tokens), not by tokens."""
+    from whitney.engine import ForwardRequest, merge_results
+
+    engine = Engine()
+    engine.create_run("whole", tiny_llama, LORA)
+    engine.create_run("split", tiny_llama, LORA)
+    data = [to_datum(r) for r in rows_for_engine()]
+    config = {"ce_coef": 0.5, "kl_coef": 1.0}
+    whole = engine.forward_backward("whole", data, "opsd", config)
+    parts = [engine.run_batch([ForwardRequest("split", [d], "opsd", config, stage="op")], backward=True)[0]
+             for d in data]
+    engine.commit_gradients("split", "op")
+    merged = merge_results(parts)
+    assert merged.loss == pytest.approx(whole.loss, rel=1e-5)
+    assert merged.metrics.keys() == whole.metrics.keys()
+    for name, value in whole.metrics.items():
+        assert merged.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    tokens_weighted = sum(p.metrics["opsd_kl"] * p.metrics["tokens:sum"] for p in parts) / sum(
+        p.metrics["tokens:sum"] for p in parts)
+    assert abs(tokens_weighted - whole.metrics["opsd_kl"]) > 1e-4  # the counts matter
+    for name, g in engine.runs["whole"].grads.items():
+        torch.testing.assert_close(engine.runs["split"].grads[name], g, rtol=1e-5, atol=1e-7)

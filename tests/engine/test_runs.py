@@ -477,3 +477,68 @@ def test_compute_logprobs_and_sampler_versions(bases, tiny_llama):
         engine.compute_logprobs([seqs[0], [1, VOCAB]], run_id="r", version=1)
     assert e.value.datum_index == 1
     assert all_zero(engine.runs["r"].grads)
+
+
+# ---- one operation in micro-batches ---------------------------------------------------------
+
+
+def _micro_batches(engine: Engine, run_id: str, data: list[Datum], sizes: list[int], loss_fn: str,
+                   config: dict | None = None) -> list[ForwardResult]:
+    parts, start = [], 0
+    for n in sizes:
+        (part,) = engine.run_batch([ForwardRequest(run_id, data[start:start + n], loss_fn, config or {},
+                                                   stage="op-1")], backward=True)
+        assert isinstance(part, ForwardResult), part
+        parts.append(part)
+        start += n
+    return parts
+
+
+@pytest.mark.parametrize("loss_fn,config", [("cross_entropy", {}), ("ppo", {"clip_low_threshold": 0.9}),
+                                            ("cispo", {})])
+def test_micro_batches_equal_one_pass(bases, tiny_qwen3, loss_fn, config):
+    """An operation split into micro-batches (gradients staged, then committed) equals one pass: loss,
+    every metric (sums add, means weighted by their tokens), per-datum outputs and the gradient."""
+    from whitney.engine import merge_results
+
+    engine = new_engine(bases)
+    engine.create_run("r", tiny_qwen3, LoraConfig(rank=4, seed=3))
+    g = torch.Generator().manual_seed(11)
+    train(engine, "r", g)
+    data = rl_data(engine, "r", g, [7, 3, 12, 5, 9]) if loss_fn != "cross_entropy" else \
+        [ce(g, n, weights=True) for n in (7, 3, 12, 5, 9)]
+    engine.forward_backward("r", [ce(g, 4)])  # an earlier operation's gradient is already accumulated
+    before = grads_of(engine, "r")
+    whole = engine.forward_backward("r", data, loss_fn, config)
+    want = grads_of(engine, "r")
+    engine.runs["r"].grads.clear()
+    engine.runs["r"].grads.update({k: v.clone() for k, v in before.items()})
+
+    parts = _micro_batches(engine, "r", data, [2, 1, 2], loss_fn, config)
+    for k, v in before.items():  # nothing reaches the accumulator before the commit
+        assert torch.equal(engine.runs["r"].grads[k], v), k
+    engine.commit_gradients("r", "op-1")
+    merged = merge_results(parts)
+
+    assert not engine.runs["r"].staged
+    assert_grads_close(grads_of(engine, "r"), want)
+    assert_results_close(merged, whole)
+    assert merged.metrics.keys() == whole.metrics.keys()
+    for name, value in whole.metrics.items():
+        assert merged.metrics[name] == pytest.approx(value, rel=REL, abs=1e-6), name
+    if loss_fn == "ppo":  # the means are really weighted: an unweighted mean of the parts differs
+        plain = sum(p.metrics["clipped_fraction:mean"] for p in parts) / len(parts)
+        assert abs(plain - whole.metrics["clipped_fraction:mean"]) > 1e-4
+
+
+def test_discarded_micro_batches_leave_no_gradient(bases, tiny_llama):
+    engine = new_engine(bases)
+    engine.create_run("r", tiny_llama, LoraConfig(rank=4, seed=1))
+    g = torch.Generator().manual_seed(12)
+    train(engine, "r", g)
+    before = snapshot(engine, "r")
+    _micro_batches(engine, "r", [ce(g, 5), ce(g, 6)], [1, 1], "cross_entropy")
+    assert engine.runs["r"].staged["op-1"]
+    engine.discard_gradients("r", "op-1")
+    assert not engine.runs["r"].staged
+    assert_same_snapshot(engine, "r", before)

@@ -568,6 +568,18 @@ def test_memory_bounds(world, tiny_llama):
     while e.sample_step():
         assert sum(len(r.request.prompt) + r.request.params.max_tokens for r in s.rows) <= 40
     assert a.done and b.done and c.done
+    # Prefill tokens per step: prompts arriving together are admitted over several steps (at least one
+    # request a step), and each gives the same tokens as alone.
+    e = Engine(max_prefill_tokens=len(P1) + len(P3))
+    e.models[tiny_llama] = world.models[tiny_llama]
+    solo = [e.sample(p, greedy(4), base_model=tiny_llama).sequences[0].tokens for p in (P1, P3, P1, P3)]
+    reqs = [e.submit_sample(p, greedy(4), base_model=tiny_llama) for p in (P1, P3, P1, P3)]
+    s = sampler_of(e)
+    e.sample_step()
+    assert s.queue == reqs[2:], "one step prefilled more than max_prefill_tokens"
+    while e.sample_step():
+        pass
+    assert [r.result.sequences[0].tokens for r in reqs] == solo
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -596,6 +608,16 @@ def test_memory_bounds(world, tiny_llama):
     ([1], SamplingParams(stop=([5, VOCAB],)), "stop"),
     ([1], SamplingParams(stop=(1.5,)), "stop"),
     ([1], SamplingParams(stop=(None,)), "stop"),
+    ([1], SamplingParams(top_k=VOCAB + 1), "top_k"),  # torch.topk beyond V failed the whole batch
+    ([1], SamplingParams(top_k=2.5), "top_k"),
+    ([1], SamplingParams(top_k=True), "top_k"),
+    ([1], SamplingParams(max_tokens=True), "max_tokens"),
+    ([1], SamplingParams(num_samples=True), "num_samples"),
+    ([1], SamplingParams(seed=True), "seed"),
+    ([1], SamplingParams(temperature=True), "temperature"),
+    ([1], SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+    ([1], SamplingParams(topk_prompt_logprobs=True), "topk_prompt_logprobs"),
+    ([1], SamplingParams(stop=(True,)), "stop"),
 ])
 def test_validation_errors(eng, tiny_llama, prompt, params, field):
     with pytest.raises(InvalidInput) as err:
@@ -609,6 +631,9 @@ def test_validation_boundaries_and_versions(eng, tiny_llama):
     validate([1] * 10, SamplingParams(max_tokens=502), base, 256)  # exactly the context: allowed
     validate([VOCAB - 1], SamplingParams(top_p=1.0, temperature=0.0, num_samples=256, stop=("x", 3, [4, 5])),
              base, 256)
+    validate([1], SamplingParams(top_k=VOCAB), base, 256)  # the whole vocabulary: allowed, and it samples
+    assert len(eng.sample([1], SamplingParams(max_tokens=2, top_k=VOCAB, seed=3, stop=()),
+                          base_model=tiny_llama).sequences[0].tokens) == 2
     with pytest.raises(InvalidInput) as err:
         validate([1], SamplingParams(num_samples=5), base, 4)
     assert err.value.field == "num_samples"
@@ -626,3 +651,85 @@ def test_validation_boundaries_and_versions(eng, tiny_llama):
     with pytest.raises(NotFound) as nf:
         eng.submit_sample(P1, SamplingParams(), run_id="nope", version=1)
     assert nf.value.field == "run_id"
+
+
+
+# ---- one request's failure is its own ----------------------------------------------------------
+
+
+BAD_SEED, BAD_PROMPT = 666, [1, 4242, 4242, 4242]
+GOOD = [(P1, SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop=(), num_samples=2), {"run_id": "a"}),
+        (P2, SamplingParams(max_tokens=8, temperature=0.7, top_k=50, seed=12, stop=()), {"run_id": "b"}),
+        (P3, greedy(5, prompt_logprobs=True), {"run_id": "a"})]
+
+
+def concerns_bad(x, min_tokens: int) -> bool:
+    """Whether an argument concerns the bad request (once a row of it holds min_tokens tokens): the
+    request, one of its rows, a list of them, or a prompt batch [R, P] holding its prompt."""
+    if isinstance(x, list):
+        return any(concerns_bad(y, min_tokens) for y in x)
+    if isinstance(x, torch.Tensor):
+        return x.dtype == torch.int64 and x.dim() == 2 and any(r[:4].tolist() == BAD_PROMPT for r in x)
+    request = getattr(x, "request", x)
+    seed = getattr(getattr(request, "params", None), "seed", None)
+    return seed == BAD_SEED and len(getattr(x, "tokens", [])) >= min_tokens
+
+
+def inject_failure(monkeypatch, name: str, min_tokens: int) -> None:
+    """sampler.<name> (a function or a Sampler method) raises whenever called about the bad request."""
+    from whitney.engine import sampler
+
+    owner = sampler if hasattr(sampler, name) else sampler.Sampler
+    real = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        if any(concerns_bad(a, min_tokens) for a in args):
+            raise RuntimeError(f"injected failure in {name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize("name,min_tokens", [
+    ("next_tokens", 0),  # its first token's choice, in the prefill
+    ("next_tokens", 2),  # a later choice, in the shared decode batch
+    ("_prompt_logprobs", 0),  # its own prompt log-probs
+    ("forward_hidden", 0),  # the shared prompt pass: retried per request
+    ("_stop_reason", 2),  # its stop check (the tokenizer)
+])
+def test_a_failing_request_fails_alone(eng, monkeypatch, name, min_tokens):
+    """A request whose own work raises gets that error and leaves the batch; the requests sampled in the
+    same prefill and decode batch finish exactly as alone (tokens, log-probs, prompt log-probs: their
+    generators and cache rows were not disturbed), and the sampler serves on."""
+    solo = [eng.sample(p, sp, version=1, **w) for p, sp, w in GOOD]
+    inject_failure(monkeypatch, name, min_tokens)
+    bad_params = SamplingParams(max_tokens=6, temperature=1.0, seed=BAD_SEED, stop=(), num_samples=3,
+                                prompt_logprobs=True)
+    good = [eng.submit_sample(p, sp, version=1, **w) for p, sp, w in GOOD[:2]]
+    bad = eng.submit_sample(BAD_PROMPT, bad_params, run_id="b", version=1)
+    good.append(eng.submit_sample(GOOD[2][0], GOOD[2][1], version=1, **GOOD[2][2]))
+    s = sampler_of(eng)
+    eng.sample_step()
+    assert not s.queue, "the requests were not prefilled together"
+    while not all(r.done for r in [*good, bad]):
+        eng.sample_step()
+    assert isinstance(bad.error, RuntimeError), f"the failing request has no error: {bad.error!r}"
+    for r, ref in zip(good, solo):
+        assert r.error is None, r.error
+        assert [x.tokens for x in r.result.sequences] == [x.tokens for x in ref.sequences], \
+            "a request beside a failing one sampled differently"
+        for x, y in zip(r.result.sequences, ref.sequences):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+        assert (r.result.prompt_logprobs is None) == (ref.prompt_logprobs is None)
+    assert good[2].result.prompt_logprobs[1:] == pytest.approx(solo[2].prompt_logprobs[1:], abs=1e-5)
+    assert s.idle and s.cache.rows == 0 and s._pending_tokens.numel() == 0, "the failed rows stayed behind"
+    monkeypatch.undo()
+    again = eng.sample(GOOD[1][0], GOOD[1][1], version=1, **GOOD[1][2])
+    assert [x.tokens for x in again.sequences] == [x.tokens for x in solo[1].sequences]
+
+
+def test_engine_sample_raises_the_requests_own_error(eng, tiny_llama, monkeypatch):
+    inject_failure(monkeypatch, "next_tokens", 0)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.sample(BAD_PROMPT, SamplingParams(max_tokens=3, seed=BAD_SEED), base_model=tiny_llama)
+    assert sampler_of(eng).idle

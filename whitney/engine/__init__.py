@@ -7,6 +7,7 @@ Public API:
   Datum, TensorInput     one sequence and its named per-token tensors (plain lists)
   ForwardRequest         one run's forward/forward_backward call inside a mixed batch
   ForwardResult          loss (summed), metrics, per-datum log-probs and per-token loss
+  merge_results          one request's result from its micro-batches' results
   LoraConfig, AdamParams run and optimizer hyperparameters
   LOSS_NAMES             cross_entropy, importance_sampling, ppo, cispo, dro, opsd
 
@@ -20,7 +21,7 @@ from whitney.engine.lora import LoraConfig
 from whitney.engine.losses import LOSS_CONFIG_KEYS, LOSS_NAMES
 from whitney.engine.model import DEFAULT_MODEL
 from whitney.engine.optim import AdamParams
-from whitney.engine.runs import DatumOutput, Engine, ForwardRequest, ForwardResult
+from whitney.engine.runs import DatumOutput, Engine, ForwardRequest, ForwardResult, merge_results
 
 __all__ = ["AdamParams", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "ForwardRequest", "ForwardResult",
-           "LOSS_CONFIG_KEYS", "LOSS_NAMES", "LoraConfig", "TensorInput"]
+           "LOSS_CONFIG_KEYS", "LOSS_NAMES", "LoraConfig", "TensorInput", "merge_results"]

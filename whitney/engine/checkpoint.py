@@ -66,6 +66,19 @@ def atomic_dir(path: str | Path):
         raise
 
 
+def remove_leftovers(directory: str | Path) -> list[Path]:
+    """Delete the temporary directories (`.{name}.tmp-*`) that `atomic_dir` left in `directory` when the
+    process died mid-write; return them. Call it at startup, before anything writes there: a finished
+    checkpoint never has that name, so only half-written ones are removed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    leftovers = [p for p in directory.glob(".*.tmp-*") if p.is_dir() and not p.is_symlink()]
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True)
+    return leftovers
+
+
 def save_state(path: str | Path, adapter: Adapter, optimizer: OptimizerState | None, base_model: str) -> dict:
     """Write adapter weights (and optimizer moments and step) with a manifest; return the manifest."""
     with atomic_dir(path) as tmp:

@@ -21,6 +21,10 @@ INT_DTYPES = ("int64", "int32")
 FLOAT_DTYPES = ("float32", "float64")
 # Tinker's name for the sampler's log-probs.
 ALIASES = {"logprobs": "old_logprobs"}
+# Soft targets: an [N, K] input has 1 <= K <= MAX_K candidates per position, so no tensor of a datum
+# holds more than N * MAX_K values (a sparse tensor on the Tinker wire is made dense within that bound).
+MAX_K = 256
+MAX_DIMS = 2  # every loss input is [N], [N, K] or [M]
 
 
 @dataclass
@@ -101,10 +105,12 @@ def to_tensor(value: TensorInput | list | dict, index: int, name: str) -> torch.
             raise InvalidInput(f"datum {index}: {name} values must be a flat list of {value.dtype} numbers",
                                field=name, datum_index=index) from None
         shape = value.shape if value.shape is not None else [t.numel()]
-        if (not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape)
+        if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS
+                or not all(isinstance(s, int) and s >= 0 for s in shape)
                 or t.dim() != 1 or math.prod(shape) != t.numel()):
             raise InvalidInput(f"datum {index}: {name} has {t.numel()} values, which do not fill shape "
-                               f"{list(shape) if isinstance(shape, (list, tuple)) else shape}",
+                               f"{list(shape) if isinstance(shape, (list, tuple)) else shape} (at most "
+                               f"{MAX_DIMS} non-negative dimensions)",
                                field=name, datum_index=index)
         return t.reshape(shape)
     try:
@@ -163,9 +169,9 @@ def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], require
                 raise InvalidInput(f"datum {index}: {name} has {rows} tokens, over the context of {max_length}",
                                    field=name, datum_index=index)
         ok_1d = t.dim() == 1 and t.shape[0] == rows
-        ok_2d = spec.allow_2d and t.dim() == 2 and t.shape[0] == rows and t.shape[1] >= 1
+        ok_2d = spec.allow_2d and t.dim() == 2 and t.shape[0] == rows and 1 <= t.shape[1] <= MAX_K
         if not (ok_1d or ok_2d):
-            expected = f"[{rows}]" + (f" or [{rows}, K]" if spec.allow_2d else "")
+            expected = f"[{rows}]" + (f" or [{rows}, K] with 1 <= K <= {MAX_K}" if spec.allow_2d else "")
             raise InvalidInput(f"datum {index}: {name} has shape {list(t.shape)}, expected {expected}",
                                field=name, datum_index=index)
         if spec.kind in ("int", "token"):

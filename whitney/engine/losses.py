@@ -11,7 +11,7 @@ A_t advantage, w_t weight, sg = stop-gradient. Shapes: N tokens, K soft-target c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -37,6 +37,9 @@ class LossOutput:
     elementwise: torch.Tensor  # [N] per-token loss (detached)
     logprobs: torch.Tensor  # [N] per-position log-prob returned to the caller (detached)
     metrics: dict[str, float]
+    # What each averaged metric is a mean over (default: the request's tokens), so the metrics of a
+    # request's micro-batches merge into exactly the metrics of the whole (`runs.merge_results`).
+    mean_counts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,8 @@ def objective(lp: list[torch.Tensor], student_kl: list[torch.Tensor], teacher_kl
         "ce_loss": ce_sum / ce_n if ce_n else 0.0,
         "tokens:sum": float(sum(x.numel() for x in lp)),
     }
-    return LossOutput(total, torch.cat(per_token), torch.cat([x.detach() for x in lp]), metrics)
+    return LossOutput(total, torch.cat(per_token), torch.cat([x.detach() for x in lp]), metrics,
+                      {"opsd_kl": float(kl_n), "ce_loss": float(ce_n)})
 
 
 SPEC = LossSpec(None, INPUTS, REQUIRED, parse_config)

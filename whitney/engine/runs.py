@@ -38,7 +38,9 @@ class Run:
     """One training job: its adapter, accumulated gradients, optimizer state and sampler versions.
 
     `grads` holds a tensor per weight only between a forward_backward and the optim_step that consumes
-    it; an idle run costs its adapter and (once it has stepped) its two AdamW moments.
+    it; an idle run costs its adapter and (once it has stepped) its two AdamW moments. `staged` holds
+    the gradients of an operation that runs in several micro-batches until its last one succeeded
+    (`Engine.commit_gradients`), so an operation adds its gradient whole or not at all.
     """
 
     run_id: str
@@ -47,6 +49,7 @@ class Run:
     grads: dict[str, torch.Tensor]
     optimizer: OptimizerState = field(default_factory=OptimizerState)
     sampler_versions: dict[int, Adapter] = field(default_factory=dict)
+    staged: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> weight name -> grad
 
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self.adapter.named_parameters())
@@ -61,6 +64,9 @@ class ForwardRequest:
     loss_fn: str = "cross_entropy"
     loss_config: dict = field(default_factory=dict)
     base_model: str | None = None  # only when run_id is None
+    # forward_backward of one micro-batch of a larger operation: its gradient is added to the run's
+    # staging area of this name, not to the accumulator (see Engine.commit_gradients).
+    stage: str | None = None
 
 
 @dataclass
@@ -74,6 +80,31 @@ class ForwardResult:
     loss: float  # summed over tokens (opsd: summed over rows)
     metrics: dict[str, float]
     outputs: list[DatumOutput]
+    mean_counts: dict[str, float] = field(default_factory=dict)  # see LossOutput.mean_counts
+
+
+def merge_results(parts: list[ForwardResult]) -> ForwardResult:
+    """The result of one request from the results of its micro-batches (consecutive datums, in order).
+
+    Losses and metrics whose name ends in "sum" add up; every other metric is a mean, weighted by what
+    it averages over (its `mean_counts`, else the micro-batch's tokens), so the merge equals one pass.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    metrics: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for part in parts:
+        tokens = part.metrics.get("tokens:sum", float(sum(len(o.logprobs) for o in part.outputs)))
+        for name, value in part.metrics.items():
+            if name.endswith("sum"):
+                metrics[name] = metrics.get(name, 0.0) + value
+                continue
+            weight = part.mean_counts.get(name, tokens)
+            metrics[name] = metrics.get(name, 0.0) + value * weight
+            counts[name] = counts.get(name, 0.0) + weight
+    for name, weight in counts.items():
+        metrics[name] = metrics[name] / weight if weight else 0.0
+    return ForwardResult(sum(p.loss for p in parts), metrics, [o for p in parts for o in p.outputs], counts)
 
 
 @dataclass
@@ -93,7 +124,7 @@ class Engine:
     """
 
     def __init__(self, max_lora_rank: int = DEFAULT_MAX_RANK, compute_dtype: str | torch.dtype = "float32",
-                 max_sequences: int = 256, max_cached_tokens: int = 262_144):
+                 max_sequences: int = 256, max_cached_tokens: int = 262_144, max_prefill_tokens: int = 16_384):
         self.max_lora_rank = max_lora_rank
         if compute_dtype not in COMPUTE_DTYPES and compute_dtype not in COMPUTE_DTYPES.values():
             raise InvalidInput(f"compute dtype must be one of {list(COMPUTE_DTYPES)}, got {compute_dtype}",
@@ -101,6 +132,7 @@ class Engine:
         self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)  # base weights, activations
         self.max_sequences = max_sequences  # sampling: concurrent sequences per base model
         self.max_cached_tokens = max_cached_tokens  # sampling: KV-cache tokens per base model
+        self.max_prefill_tokens = max_prefill_tokens  # sampling: prompt tokens prefilled per step
         self.models: dict[str, BaseModel] = {}
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -134,7 +166,30 @@ class Engine:
         return self.runs[run_id]
 
     def delete_run(self, run_id: str) -> None:
-        self.runs.pop(run_id, None)
+        """Forget a run and give its memory back: glibc keeps freed heap pages (a run's tensors of a few MB fall
+        below its adaptive mmap threshold) until malloc_trim, skipped where there is no glibc."""
+        import ctypes
+
+        if self.runs.pop(run_id, None) is not None:
+            try:
+                ctypes.CDLL(None).malloc_trim(0)
+            except (AttributeError, OSError, TypeError):  # not glibc
+                pass
+
+    def commit_gradients(self, run_id: str, stage: str) -> None:
+        """Add a staged operation's gradient (all its micro-batches) to the run's accumulator."""
+        run = self.get_run(run_id)
+        for name, g in run.staged.pop(stage, {}).items():
+            if name in run.grads:
+                run.grads[name] += g
+            else:
+                run.grads[name] = g
+
+    def discard_gradients(self, run_id: str, stage: str) -> None:
+        """Forget a staged operation's gradient (it failed or was cancelled part-way)."""
+        run = self.runs.get(run_id)
+        if run is not None:
+            run.staged.pop(stage, None)
 
     # ---- forward and forward_backward ----------------------------------------------------
 
@@ -272,18 +327,20 @@ class Engine:
         return out
 
     def _accumulate(self, items: list[_Prepared], outputs: list[LossOutput]) -> None:
-        """Gradients of the summed losses; each run's share is added to its own accumulator."""
-        runs = {id(it.run): it.run for it in items}
-        params = [(run, name, p) for run in runs.values() for name, p in run.adapter.named_parameters()]
+        """Gradients of the summed losses; each run's share is added to its own accumulator (or to the
+        staging area its request names)."""
+        targets = {id(it.run): (it.run, it.run.grads if it.request.stage is None
+                                else it.run.staged.setdefault(it.request.stage, {})) for it in items}
+        params = [(acc, name, p) for run, acc in targets.values() for name, p in run.adapter.named_parameters()]
         total = sum(o.loss for o in outputs)
         grads = torch.autograd.grad(total, [p for _, _, p in params], allow_unused=True)
-        for (run, name, _), g in zip(params, grads):
+        for (acc, name, _), g in zip(params, grads):
             if g is None:
                 continue
-            if name in run.grads:
-                run.grads[name] += g
+            if name in acc:
+                acc[name] += g
             else:  # first forward_backward since the last optim_step: keep autograd's tensor
-                run.grads[name] = g
+                acc[name] = g
 
     def _result(self, it: _Prepared, o: LossOutput) -> ForwardResult:
         outputs, start = [], 0
@@ -291,7 +348,7 @@ class Engine:
         for d in it.datums:
             outputs.append(DatumOutput(lp[start:start + d.length], el[start:start + d.length]))
             start += d.length
-        return ForwardResult(float(o.loss.detach()), o.metrics, outputs)
+        return ForwardResult(float(o.loss.detach()), o.metrics, outputs, dict(o.mean_counts))
 
     # ---- optimizer -----------------------------------------------------------------------
 
@@ -355,7 +412,8 @@ class Engine:
         adapter, base = self.resolve_weights(run_id=run_id, version=version, checkpoint_path=checkpoint_path,
                                              base_model=base_model)
         if base.name not in self.samplers:
-            self.samplers[base.name] = Sampler(base, self.max_sequences, self.max_cached_tokens)
+            self.samplers[base.name] = Sampler(base, self.max_sequences, self.max_cached_tokens,
+                                               self.max_prefill_tokens)
         return self.samplers[base.name].submit(prompt, params, adapter)
 
     def sample_step(self) -> bool:
@@ -374,6 +432,8 @@ class Engine:
         request = self.submit_sample(prompt, params or SamplingParams(), **weights)
         while not request.done:
             self.sample_step()
+        if request.error is not None:
+            raise request.error
         return request.result
 
     # ---- snapshots, checkpoints and exports ----------------------------------------------

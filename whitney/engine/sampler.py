@@ -5,6 +5,10 @@ that fit the memory limits (prefilling each prompt once and copying its cache in
 rows), then runs one decode step for every running row; a finished sequence leaves at once. The
 caller decides when to step, so training and sampling interleave at decode-step granularity.
 
+Failures: a request whose own work fails (its prefill, its next-token choice, its stop check) gets
+the exception in `error` and leaves the batch alone; the others go on unchanged (their generators are
+drawn exactly as if it had never been there). Only a failing shared pass (the decode forward) raises.
+
 Log-probs: each generated token's log-prob is log_softmax(logits) of the model at temperature 1,
 whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
 training `forward` give for that token, which is what an importance ratio against the learner needs.
@@ -67,10 +71,11 @@ class SampleRequest:
     stop_strs: list[str] = field(default_factory=list)
     result: SampleResult | None = None
     pending: int = 0  # rows still running
+    error: Exception | None = None  # this request alone failed; its rows have left the batch
 
     @property
     def done(self) -> bool:
-        return self.result is not None and self.pending == 0
+        return self.error is not None or (self.result is not None and self.pending == 0)
 
     @property
     def reserved_tokens(self) -> int:
@@ -86,53 +91,72 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def validate(prompt: list[int], params: SamplingParams, base: BaseModel, max_samples: int) -> None:
-    """Check a request against the model; each rule names its parameter."""
+    """Check every parameter of a request against the model, so nothing fails later in the batch; each
+    rule names its parameter. Integers are never booleans; top_k and topk_prompt_logprobs are at most V."""
     vocab, context = base.config.vocab_size, base.config.max_context
     check(isinstance(prompt, list) and len(prompt) > 0, "prompt must be a non-empty list of token ids",
           field="prompt")
-    check(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt),
+    check(all(_int(t) and 0 <= t < vocab for t in prompt),
           f"prompt token ids must be integers in [0, {vocab})", field="prompt")
-    check(isinstance(params.max_tokens, int) and params.max_tokens >= 1,
+    check(_int(params.max_tokens) and params.max_tokens >= 1,
           f"max_tokens must be a positive integer, got {params.max_tokens!r}", field="max_tokens")
     check(len(prompt) + params.max_tokens <= context, f"prompt ({len(prompt)} tokens) plus max_tokens "
           f"({params.max_tokens}) exceeds the model's context of {context}", field="max_tokens")
     t = params.temperature
-    check(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+    check(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0,
           f"temperature must be finite and >= 0, got {t!r}", field="temperature")
-    check(isinstance(params.top_k, int) and params.top_k >= -1, f"top_k must be -1, 0 or positive, got "
-          f"{params.top_k!r}", field="top_k")
+    check(_int(params.top_k) and -1 <= params.top_k <= vocab,
+          f"top_k must be -1 or 0 (off) or from 1 to the vocabulary size {vocab}, got {params.top_k!r}",
+          field="top_k")
     p = params.top_p
-    check(isinstance(p, (int, float)) and math.isfinite(p) and 0 < p <= 1, f"top_p must be in (0, 1], got {p!r}",
-          field="top_p")
-    check(isinstance(params.num_samples, int) and 1 <= params.num_samples <= max_samples,
+    check(isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) and 0 < p <= 1,
+          f"top_p must be in (0, 1], got {p!r}", field="top_p")
+    check(_int(params.num_samples) and 1 <= params.num_samples <= max_samples,
           f"num_samples must be from 1 to {max_samples}, got {params.num_samples!r}", field="num_samples")
-    check(params.seed is None or (isinstance(params.seed, int) and 0 <= params.seed < 2**63),
+    check(params.seed is None or (_int(params.seed) and 0 <= params.seed < 2**63),
           f"seed must be a non-negative integer below 2**63, got {params.seed!r}", field="seed")
-    k = params.topk_prompt_logprobs
-    check(isinstance(k, int) and 0 <= k <= MAX_TOPK_PROMPT_LOGPROBS,
-          f"topk_prompt_logprobs must be from 0 to {MAX_TOPK_PROMPT_LOGPROBS}, got {k!r}", field="topk_prompt_logprobs")
+    check(isinstance(params.prompt_logprobs, bool), f"prompt_logprobs must be true or false, got "
+          f"{params.prompt_logprobs!r}", field="prompt_logprobs")
+    k, k_max = params.topk_prompt_logprobs, min(MAX_TOPK_PROMPT_LOGPROBS, vocab)
+    check(_int(k) and 0 <= k <= k_max,
+          f"topk_prompt_logprobs must be from 0 to {k_max}, got {k!r}", field="topk_prompt_logprobs")
     check(params.stop is None or isinstance(params.stop, (list, tuple)),
           f"stop must be a list of strings, token ids or token-id lists, got {params.stop!r}", field="stop")
     for s in params.stop or ():
-        ok = (isinstance(s, str) and s != "") or (isinstance(s, int) and 0 <= s < vocab) or (
-            isinstance(s, (list, tuple)) and len(s) > 0 and all(isinstance(x, int) and 0 <= x < vocab for x in s))
+        ok = (isinstance(s, str) and s != "") or (_int(s) and 0 <= s < vocab) or (
+            isinstance(s, (list, tuple)) and len(s) > 0 and all(_int(x) and 0 <= x < vocab for x in s))
         check(ok, f"each stop must be a non-empty string, a token id in [0, {vocab}) or a non-empty list of them, "
               f"got {s!r}", field="stop")
 
 
-def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose the next token of each row from logits [B, V] with that row's own settings and generator.
+def _draws(p: SamplingParams) -> bool:
+    """Whether a row samples (one uniform per token) rather than taking the argmax."""
+    return p.temperature > 0 and p.top_k != 1
+
+
+def uniforms(rows: list[_Row]) -> torch.Tensor:
+    """[B] float64: one uniform in [0, 1) from each sampling row's own generator; greedy rows draw none (0)."""
+    return torch.tensor([torch.rand(1, generator=r.generator, dtype=torch.float64).item()
+                         if _draws(r.request.params) else 0.0 for r in rows], dtype=torch.float64)
+
+
+def next_tokens(logits: torch.Tensor, rows: list[_Row], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of each row from logits [B, V] with that row's own settings and uniform u [B].
 
     Greedy rows (temperature 0 or top_k 1) take the argmax. The others are sampled together: scale by
-    temperature, keep each row's top_k and top_p nucleus, then invert the row's CDF at one uniform
-    drawn from the row's own generator, so a row's choice never depends on the rest of the batch.
-    Returns tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1).
+    temperature, keep each row's top_k and top_p nucleus, then invert the row's CDF at the row's
+    uniform (drawn from its own generator by `uniforms`), so a row's choice never depends on the rest
+    of the batch. Returns tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1).
     """
     logprobs = full_logprobs(logits)  # [B, V]
     chosen = torch.argmax(logits, dim=-1)  # [B]
     params = [r.request.params for r in rows]
-    sampled = [b for b, p in enumerate(params) if p.temperature > 0 and p.top_k != 1]
+    sampled = [b for b, p in enumerate(params) if _draws(p)]
     if sampled:
         idx = torch.tensor(sampled)
         scores = logits.float() if len(sampled) == len(rows) else logits[idx].float()  # [S, V]
@@ -155,7 +179,7 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, t
             drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_ps[:, None]
             probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
         cdf = torch.cumsum(probs, dim=-1)  # [S, V], unnormalised: u is scaled to each row's total instead
-        u = torch.cat([torch.rand(1, generator=rows[b].generator, dtype=torch.float64) for b in sampled])
+        u = u[idx]  # [S]
         # right=True: the first token whose cumulative mass exceeds u; a zero-probability token never is.
         picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
         chosen[idx] = picks
@@ -165,10 +189,14 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, t
 class Sampler:
     """The running batch and the queue of one base model. Drive it with `step()` until idle."""
 
-    def __init__(self, base: BaseModel, max_sequences: int = 256, max_cached_tokens: int = 262_144):
+    def __init__(self, base: BaseModel, max_sequences: int = 256, max_cached_tokens: int = 262_144,
+                 max_prefill_tokens: int = 16_384):
         self.base = base
         self.max_sequences = max_sequences
         self.max_cached_tokens = max_cached_tokens
+        # Prompt tokens prefilled in one step (at least one request): many long prompts arriving at once
+        # are admitted over several steps, so one step never holds the caller for long.
+        self.max_prefill_tokens = max_prefill_tokens
         self.queue: list[SampleRequest] = []
         self.rows: list[_Row] = []
         self.cache = KVCache.empty(base)
@@ -210,34 +238,55 @@ class Sampler:
         return sum(len(r.request.prompt) + r.request.params.max_tokens for r in self.rows)
 
     def _admit(self) -> None:
-        admitted, rows, tokens = [], len(self.rows), self._reserved()
+        admitted, rows, tokens, prefill = [], len(self.rows), self._reserved(), 0
         while self.queue:
             req = self.queue[0]
             if rows + req.params.num_samples > self.max_sequences or tokens + req.reserved_tokens > self.max_cached_tokens:
                 break
+            if admitted and prefill + len(req.prompt) > self.max_prefill_tokens:
+                break
             admitted.append(self.queue.pop(0))
             rows, tokens = rows + req.params.num_samples, tokens + req.reserved_tokens
+            prefill += len(req.prompt)
         if admitted:
             self._prefill(admitted)
 
     def _prefill(self, requests: list[SampleRequest]) -> None:
-        """Run each prompt once; copy its cache into num_samples rows; sample each row's first token."""
+        """Run each prompt once; copy its cache into num_samples rows; sample each row's first token.
+
+        If the shared prompt pass fails, each request is prefilled alone, so only the one whose own pass
+        fails gets the error. A request failing in its own unembedding or prompt log-probs gets the error
+        and no rows; one failing its first choice gets the error and its rows leave at once (_record). The
+        others are admitted as if it had not been there.
+        """
         P = max(len(r.prompt) for r in requests)
         tokens = torch.zeros(len(requests), P, dtype=torch.int64)
         for i, r in enumerate(requests):
             tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        hidden = forward_hidden(self.base, tokens, RowGroups([(i, i + 1, r.adapter) for i, r in enumerate(requests)]),
-                                kv_out=kv)  # [R, P, D]
+        try:
+            hidden = forward_hidden(self.base, tokens, RowGroups([(i, i + 1, r.adapter) for i, r in
+                                                                  enumerate(requests)]), kv_out=kv)  # [R, P, D]
+        except Exception as e:
+            if len(requests) == 1:
+                requests[0].error = e
+            else:
+                for r in requests:
+                    self._prefill([r])
+            return
         new_rows, first_logits, copies = [], [], []
         for i, r in enumerate(requests):
             n, p = r.params.num_samples, len(r.prompt)
             want_all = r.params.prompt_logprobs or r.params.topk_prompt_logprobs > 0
-            h = hidden[i, :p] if want_all else hidden[i, p - 1:p]
-            logits = unembed(self.base, h, RowGroups([(0, h.shape[0], r.adapter)]))  # [p or 1, V]
-            r.result = SampleResult([None] * n)
-            if want_all:
-                self._prompt_logprobs(r, logits)
+            try:
+                h = hidden[i, :p] if want_all else hidden[i, p - 1:p]
+                logits = unembed(self.base, h, RowGroups([(0, h.shape[0], r.adapter)]))  # [p or 1, V]
+                r.result = SampleResult([None] * n)
+                if want_all:
+                    self._prompt_logprobs(r, logits)
+            except Exception as e:
+                r.error = e
+                continue
             first_logits.append(logits[-1:].expand(n, -1))
             seed = r.params.seed if r.params.seed is not None else random.getrandbits(63)
             for s in range(n):
@@ -245,10 +294,12 @@ class Sampler:
                 new_rows.append(_Row(r, s, gen))
             copies += [i] * n
             r.pending = n
+        if not new_rows:
+            return
         index = torch.tensor(copies)
         lengths = torch.tensor([len(requests[i].prompt) for i in copies])
-        chosen, lps = next_tokens(torch.cat(first_logits), new_rows)
-        # Only now, with nothing left that can fail, do the cache and the rows grow together.
+        chosen, lps = self._choose(torch.cat(first_logits), new_rows)
+        # The cache and the rows grow together; rows of a request that failed its choice leave in _record.
         self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
         self.rows += new_rows
         self._pending_tokens = torch.cat([self._pending_tokens, chosen])
@@ -270,24 +321,52 @@ class Sampler:
         groups = _adapter_groups(self.rows)
         hidden = decode_hidden(self.base, self._pending_tokens, groups, self.cache)  # [B, D]
         logits = unembed(self.base, hidden, groups)  # [B, V]
-        chosen, lps = next_tokens(logits, self.rows)
+        chosen, lps = self._choose(logits, self.rows)
         self._pending_tokens = chosen
         self._record(0, chosen, lps)
 
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """next_tokens for all rows at once. If that fails, each request's rows alone with the same
+        uniforms: a request whose choice fails gets the error (its rows leave in _record), and every
+        other row's token is what it would have been."""
+        u = uniforms(rows)  # [B], drawn once, so a retry leaves every generator where it was
+        try:
+            return next_tokens(logits, rows, u)
+        except Exception:
+            by_request: dict[int, list[int]] = {}
+            for b, row in enumerate(rows):
+                by_request.setdefault(id(row.request), []).append(b)
+            chosen, lps = torch.zeros(len(rows), dtype=torch.int64), torch.zeros(len(rows))
+            for idx in by_request.values():
+                index = torch.tensor(idx)
+                try:
+                    chosen[index], lps[index] = next_tokens(logits[index], [rows[b] for b in idx], u[index])
+                except Exception as e:
+                    rows[idx[0]].request.error = e
+            return chosen, lps
+
     def _record(self, first: int, chosen: torch.Tensor, lps: torch.Tensor) -> None:
-        """Append the new tokens of rows[first:]; rows that finished leave the batch."""
+        """Append the new tokens of rows[first:]; rows that finished, and rows of a request that failed
+        (its error set), leave the batch."""
         keep = list(range(first))
         for b, (token, lp) in enumerate(zip(chosen.tolist(), lps.tolist()), start=first):
             row = self.rows[b]
+            if row.request.error is not None:
+                continue
             row.tokens.append(token)
             row.logprobs.append(lp)
-            reason = self._stop_reason(row)
+            try:
+                reason = self._stop_reason(row)
+            except Exception as e:  # e.g. the tokenizer on this row's tokens: this request alone fails
+                row.request.error = e
+                continue
             if reason is None:
                 keep.append(b)
                 continue
             # Samples keep their index order whatever order they finish in.
             row.request.result.sequences[row.index] = SampledSequence(row.tokens, row.logprobs, reason)
             row.request.pending -= 1
+        keep = [b for b in keep if self.rows[b].request.error is None]  # a request failing above: all its rows
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, dtype=torch.int64)
             self.rows = [self.rows[i] for i in keep]
