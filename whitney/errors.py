@@ -38,6 +38,12 @@ class NotFound(WhitneyError):
     code = "not_found"
 
 
+class TooLarge(WhitneyError):
+    """The request asks for more than this server allows at once (a stated, operator-set limit)."""
+
+    code = "too_large"
+
+
 class Conflict(WhitneyError):
     """The request is valid alone but clashes with existing state."""
 

@@ -2,11 +2,13 @@
 
 Routes record an operation in the store, then hand its payload here. The worker wakes on an event
 (never a sleep loop), picks for every run the operation whose seq_id is next, and sends the ready
-forward_backward (and forward) operations of different runs to the engine as one mixed batch, up to
-a token budget so one run's large batch cannot hold the others back. Every other operation runs
-alone. Between training batches the worker advances sampling by one decode step, so a long sampling
-batch never stalls training for more than one step, and training never stalls sampling for more
-than one batch. Each terminal state is written to the store, then waiters are woken.
+forward_backward (or forward) operations of different runs to the engine as one mixed batch of at
+most `max_batch_tokens` tokens, shared max-min fairly between the runs (`limits.plan_micro_batches`):
+an operation larger than its share runs as several micro-batches, one per engine call, its gradient
+staged in the engine until the last one succeeded, with other runs' work in between. Every other
+operation runs alone. Between training batches the worker advances sampling by one decode step and
+scoring (compute_logprobs) by one chunk, so none of them stalls the others for long. Each terminal
+state is written to the store, then waiters are woken.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from whitney.engine import AdamParams, Datum, Engine, ForwardRequest, LoraConfig
+from whitney.engine import AdamParams, Datum, Engine, ForwardRequest, ForwardResult, LoraConfig, merge_results
 from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput, WhitneyError
+from whitney.service.limits import plan_micro_batches
 from whitney.service.store import Store, new_id
 
 log = logging.getLogger("whitney.scheduler")
@@ -33,10 +36,33 @@ BATCHED_KINDS = ("forward", "forward_backward")
 
 
 @dataclass
+class _Progress:
+    """A forward/forward_backward operation part-way through its micro-batches."""
+
+    done: int = 0  # datums already run
+    parts: list[ForwardResult] = field(default_factory=list)
+    staged: bool = False  # runs in more than one micro-batch: its gradient is staged under its id
+
+
+@dataclass
 class _RunQueue:
     next_seq: int = 0
     pending: dict[int, tuple[dict, dict]] = field(default_factory=dict)  # seq_id -> (operation, payload)
     finishing: bool = False
+    progress: _Progress | None = None  # of the operation at next_seq, once its first micro-batch ran
+    served: int = 0  # the engine call that last ran its work (fairness: the least recently served first)
+    starved: bool = False  # got no datum in the last engine call it was ready for
+
+
+@dataclass
+class _Scoring:
+    """A compute_logprobs request, scored a chunk of sequences per worker iteration."""
+
+    operation: dict
+    sequences: list[list[int]]
+    weights: dict
+    done: int = 0
+    logprobs: list = field(default_factory=list)
 
 
 class Scheduler:
@@ -49,6 +75,8 @@ class Scheduler:
         self.session_timeout = session_timeout
         self._runs: dict[str, _RunQueue] = {}
         self._samples: list[tuple[dict, Any]] = []  # (operation, engine SampleRequest)
+        self._scoring: list[_Scoring] = []
+        self._calls_made = 0  # engine training calls so far (the fairness clock)
         self._calls: list[tuple[Callable, concurrent.futures.Future]] = []
         self._lock = threading.RLock()  # _finalize notifies waiters while holding it
         self._wake = threading.Event()
@@ -105,16 +133,10 @@ class Scheduler:
         self.call(start)
 
     def submit_logprobs(self, operation: dict, sequences: list[list[int]], weights: dict) -> None:
-        """Score sequences on the named weights (not in any run's seq_id order)."""
-        def run() -> None:
-            self.store.set_operation(operation["id"], "running")
-            try:
-                result = {"logprobs": self.engine.compute_logprobs(sequences, **weights)}
-            except BaseException as e:
-                self._finish(operation, error=e)
-            else:
-                self._finish(operation, result=result)
-        self.call(run)
+        """Score sequences on the named weights (not in any run's seq_id order), a chunk per iteration."""
+        with self._lock:
+            self._scoring.append(_Scoring(operation, sequences, weights))
+        self._wake.set()
 
     def open_run(self, run: dict, resume_path: str | None) -> concurrent.futures.Future:
         """Create the run's adapter in the engine (and load its bound checkpoint)."""
@@ -141,9 +163,14 @@ class Scheduler:
         return self.call(finish)
 
     def cancel_run(self, run_id: str, reason: str = "run cancelled") -> None:
-        """Cancel queued operations; the running one ends; then the run is cancelled."""
+        """Cancel queued operations and one part-way through its micro-batches (a single engine call
+        that is running ends); then the run is cancelled."""
         with self._lock:
             queue = self._runs.pop(run_id, None)
+        if queue is not None and queue.progress is not None and queue.next_seq in queue.pending:
+            op = queue.pending[queue.next_seq][0]
+            self.store.set_operation(op["id"], "cancelled", error={"code": "cancelled", "message": reason})
+            self._notify(op["id"])
         for op_id in self.store.cancel_queued(run_id, reason):
             self._notify(op_id)
         def drop() -> None:
@@ -198,6 +225,7 @@ class Scheduler:
                 did = self._run_calls()
                 did |= self._run_training()
                 did |= self._run_sampling()
+                did |= self._run_scoring()
                 self._expire_sessions()
             except Exception:  # a bug: log it and keep serving the other runs
                 log.exception("scheduler iteration failed")
@@ -215,13 +243,13 @@ class Scheduler:
                 future.set_exception(e)
         return bool(calls)
 
-    def _ready(self) -> list[tuple[dict, dict]]:
+    def _ready(self) -> list[tuple[_RunQueue, dict, dict]]:
         """For each run, its next operation if it has arrived; finish runs that are drained."""
         ready = []
         with self._lock:
             for run_id, queue in list(self._runs.items()):
                 if queue.next_seq in queue.pending:
-                    ready.append(queue.pending[queue.next_seq])
+                    ready.append((queue, *queue.pending[queue.next_seq]))
                 elif queue.finishing:
                     self._finalize(run_id, queue)
         return ready
@@ -242,48 +270,79 @@ class Scheduler:
             queue = self._runs.get(operation["run_id"])
             if queue is not None and queue.pending.pop(operation["seq_id"], None) is not None:
                 queue.next_seq = operation["seq_id"] + 1
+                queue.progress = None
 
     def _run_training(self) -> bool:
+        """One engine call of ready forward/forward_backward work (fairly shared), then every ready
+        operation of the other kinds."""
         ready = self._ready()
         if not ready:
             return False
-        # Cancelled while queued (store says so): skip, but keep the order moving.
         live = []
-        for op, payload in ready:
-            if self.store.get_operation(op["id"])["status"] != "queued":
+        for queue, op, payload in ready:
+            # Cancelled while queued (store says so): skip, but keep the order moving.
+            if queue.progress is None and self.store.get_operation(op["id"])["status"] != "queued":
                 self._advance(op)
             else:
-                live.append((op, payload))
-        for kind in BATCHED_KINDS:
-            batch = [(op, p) for op, p in live if op["kind"] == kind]
-            while batch:
-                take, tokens = [], 0
-                for item in batch:
-                    size = item[1]["tokens"]
-                    if take and tokens + size > self.max_batch_tokens:
-                        break
-                    take.append(item)
-                    tokens += size
-                batch = batch[len(take):]
-                self._run_batch(take, backward=kind == "forward_backward")
-        for op, payload in live:
+                live.append((queue, op, payload))
+        batched = [item for item in live if item[1]["kind"] in BATCHED_KINDS]
+        if batched:
+            self._run_batch(batched)
+        for _, op, payload in live:
             if op["kind"] not in BATCHED_KINDS:
                 self._run_single(op, payload)
         return True
 
-    def _run_batch(self, items: list[tuple[dict, dict]], backward: bool) -> None:
-        for op, _ in items:
-            self.store.set_operation(op["id"], "running")
-        requests = [ForwardRequest(op["run_id"], p["data"], p["loss_fn"], p["loss_config"]) for op, p in items]
+    def _run_batch(self, ready: list[tuple[_RunQueue, dict, dict]]) -> None:
+        """One engine call: the least recently served run's kind (forward or forward_backward), and the
+        ready operations of that kind, each whole or a micro-batch of it (`plan_micro_batches`)."""
+        ready.sort(key=lambda item: item[0].served)
+        kind = ready[0][1]["kind"]
+        items = [item for item in ready if item[1]["kind"] == kind]
+        remaining = []
+        for queue, _, payload in items:
+            lengths = payload.setdefault("lengths", [datum_length(d) for d in payload["data"]])
+            remaining.append(lengths[queue.progress.done if queue.progress else 0:])
+        counts = plan_micro_batches(remaining, self.max_batch_tokens, [q.starved for q, _, _ in items])
+        self._calls_made += 1
+        planned, requests = [], []
+        for (queue, op, payload), count in zip(items, counts):
+            queue.starved = count == 0
+            if count == 0:
+                continue
+            queue.served = self._calls_made
+            if queue.progress is None:
+                queue.progress = _Progress(staged=count < len(payload["data"]))
+                self.store.set_operation(op["id"], "running")
+            start = queue.progress.done
+            planned.append((queue, op, payload, start, start + count))
+            requests.append(ForwardRequest(op["run_id"], payload["data"][start:start + count], payload["loss_fn"],
+                                           payload["loss_config"], stage=op["id"] if queue.progress.staged else None))
+        backward = kind == "forward_backward"
         try:
             results = self.engine.run_batch(requests, backward=backward)
         except BaseException as e:  # a bug: every operation of the batch fails as a server error
-            results = [e] * len(items)
-        for (op, _), result in zip(items, results):
+            results = [e] * len(requests)
+        for (queue, op, payload, start, end), result in zip(planned, results):
+            with self._lock:
+                if self._runs.get(op["run_id"]) is not queue:  # cancelled meanwhile: cancel_run answered it
+                    continue
+            progress = queue.progress
             if isinstance(result, BaseException):
+                if progress.staged:
+                    self.engine.discard_gradients(op["run_id"], op["id"])
+                if isinstance(result, WhitneyError) and result.datum_index is not None:
+                    result.datum_index += start  # the index within the whole operation
                 self._finish(op, error=result)
-            else:
-                self._finish(op, result=forward_result_dict(result))
+                self._advance(op)
+                continue
+            progress.parts.append(result)
+            progress.done = end
+            if end < len(payload["data"]):
+                continue
+            if progress.staged and backward:
+                self.engine.commit_gradients(op["run_id"], op["id"])
+            self._finish(op, result=forward_result_dict(merge_results(progress.parts)))
             self._advance(op)
 
     def _run_single(self, op: dict, payload: dict) -> None:
@@ -336,7 +395,7 @@ class Scheduler:
             return False
         try:
             self.engine.sample_step()
-        except Exception as e:  # a bug: fail what was sampling, start the samplers afresh
+        except Exception as e:  # a bug in a shared pass: fail what was sampling, start the samplers afresh
             for op, _ in self._samples:
                 self._finish(op, error=e)
             self._samples = []
@@ -344,11 +403,42 @@ class Scheduler:
             return True
         still = []
         for op, request in self._samples:
-            if request.done:
+            if request.error is not None:  # this request alone failed (and left its batch); the others go on
+                self._finish(op, error=request.error)
+            elif request.done:
                 self._finish(op, result=sample_result_dict(request.result))
             else:
                 still.append((op, request))
         self._samples = still
+        return True
+
+    def _run_scoring(self) -> bool:
+        """Score the next chunk (at most max_batch_tokens tokens) of the compute_logprobs request whose
+        turn it is; requests take turns, so a long one does not hold up a short one."""
+        with self._lock:
+            if not self._scoring:
+                return False
+            job = self._scoring.pop(0)
+        if job.done == 0:
+            self.store.set_operation(job.operation["id"], "running")
+        lengths = [len(s) for s in job.sequences[job.done:]]
+        (count,) = plan_micro_batches([lengths], self.max_batch_tokens, [False])
+        try:
+            job.logprobs += self.engine.compute_logprobs(job.sequences[job.done:job.done + count], **job.weights)
+        except BaseException as e:
+            if isinstance(e, WhitneyError) and e.datum_index is not None:
+                e.datum_index += job.done
+            error = e
+        else:
+            error = None
+            job.done += count
+        if error is not None:
+            self._finish(job.operation, error=error)
+        elif job.done == len(job.sequences):
+            self._finish(job.operation, result={"logprobs": job.logprobs})
+        else:
+            with self._lock:
+                self._scoring.append(job)
         return True
 
     def _expire_sessions(self) -> None:
@@ -383,6 +473,12 @@ def sample_result_dict(result) -> dict:
         "prompt_logprobs": result.prompt_logprobs,
         "topk_prompt_logprobs": result.topk_prompt_logprobs,
     }
+
+
+def datum_length(datum: Datum) -> int:
+    """Input tokens of a datum (its token_ids are a list of ints or of chunks)."""
+    ids = datum.token_ids
+    return sum(len(c) for c in ids) if ids and isinstance(ids[0], (list, tuple)) else len(ids)
 
 
 def build_datums(data: list[dict]) -> list[Datum]:

@@ -1,0 +1,98 @@
+"""What one request may ask for, and how the worker shares itself between runs.
+
+Every bound is the operator's (`whitney serve --max-...`, `ServiceConfig.limits`) and is shown in
+`/v1/training/capabilities`. A request beyond one is refused before anything is queued or stored,
+with a 413 whose message states the limit and what was asked (`TooLarge`).
+
+Fairness: the worker never runs more than `max_batch_tokens` tokens of training in one engine call.
+`plan_micro_batches` shares that budget between the runs that have a forward or forward_backward
+ready, max-min fair (water-filling): small operations run whole, and what is left goes to the large
+ones, which run a prefix of their datums (a micro-batch) per call, their gradients staged until the
+last one. Between two engine calls the worker runs other runs' steps and a decode step of sampling,
+so a large operation slows the others by a bounded factor, not by its whole length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+from whitney.errors import TooLarge
+
+
+def _limit(default: int, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Each field is a `whitney serve --max-...` flag (its help is the metadata below)."""
+
+    max_request_bytes: int = _limit(32 * 2**20, "bytes of a request body")
+    max_operation_tokens: int = _limit(131_072, "tokens of one forward, forward_backward or compute_logprobs request")
+    max_operation_datums: int = _limit(4096, "datums (or scored sequences) of one request")
+    max_metadata_bytes: int = _limit(16_384, "user_metadata of a session or run, as compact UTF-8 JSON")
+    max_stop_sequences: int = _limit(32, "stop strings or token sequences of one sample request")
+    max_stop_length: int = _limit(256, "characters of a stop string, tokens of a stop sequence")
+    max_batch_tokens: int = _limit(16_384, "training tokens per engine call: larger operations run as "
+                                           "micro-batches, other runs' work in between")
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_operation(limits: Limits, lengths: list[int], field: str = "data") -> int:
+    """Refuse a request of too many datums or tokens (`lengths`: tokens of each datum); return its tokens."""
+    if len(lengths) > limits.max_operation_datums:
+        raise TooLarge(f"{field} holds {len(lengths)} items; the limit is {limits.max_operation_datums} per request",
+                       field=field)
+    tokens = sum(lengths)
+    if tokens > limits.max_operation_tokens:
+        raise TooLarge(f"{field} holds {tokens} tokens; the limit is {limits.max_operation_tokens} per request "
+                       "(split it into several requests)", field=field)
+    return tokens
+
+
+def check_metadata(limits: Limits, metadata: dict | None, field: str = "user_metadata") -> None:
+    size = len(json.dumps(metadata or {}, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace"))
+    if size > limits.max_metadata_bytes:
+        raise TooLarge(f"{field} is {size} bytes as JSON; the limit is {limits.max_metadata_bytes}", field=field)
+
+
+def check_stops(limits: Limits, stop) -> None:
+    """Stop strings are matched after every sampled token: their number and length are bounded."""
+    if stop is None or isinstance(stop, (str, int)):
+        stop = () if stop is None else (stop,)
+    if len(stop) > limits.max_stop_sequences:
+        raise TooLarge(f"stop holds {len(stop)} entries; the limit is {limits.max_stop_sequences}", field="stop")
+    for s in stop:
+        if isinstance(s, (str, list, tuple)) and len(s) > limits.max_stop_length:
+            raise TooLarge(f"a stop entry of length {len(s)} exceeds the limit of {limits.max_stop_length}",
+                           field="stop")
+
+
+def plan_micro_batches(remaining: list[list[int]], budget: int, starved: list[bool]) -> list[int]:
+    """How many leading datums of each operation run in the next engine call.
+
+    remaining[i]: the token counts of operation i's datums not yet run. Operations are visited from
+    the smallest to the largest; each may use an equal share of what is left of `budget`. One that fits
+    its share runs whole; a larger one runs the longest prefix of datums that fits. An operation that
+    got nothing last time (`starved[i]`), or is alone, runs at least one datum, so nothing waits forever;
+    the call may then exceed the budget by at most one datum per such operation.
+    """
+    order = sorted(range(len(remaining)), key=lambda i: sum(remaining[i]))
+    counts = [0] * len(remaining)
+    left, budget_left = len(order), budget
+    for i in order:
+        share = budget_left // left if budget_left > 0 else 0
+        used = 0
+        for length in remaining[i]:
+            if used + length > share:
+                break
+            counts[i] += 1
+            used += length
+        if counts[i] == 0 and remaining[i] and (starved[i] or len(remaining) == 1):
+            counts[i], used = 1, remaining[i][0]
+        budget_left -= used
+        left -= 1
+    return counts
