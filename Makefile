@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # dependencies, then the ones its math_rl and chat_sl recipes really use.
 COOKBOOK_DEPS := aiohttp blobfile chz cloudpickle datasets pyrage termcolor tiktoken pillow math-verify pylatexenc
 
-$(VENV)/.test-installed: $(STAMP)
+$(VENV)/.test-installed: $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
 	$(BIN)/pip install -q $(COOKBOOK_DEPS)

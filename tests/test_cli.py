@@ -25,7 +25,9 @@ def test_serve_prints_its_url_and_requires_the_api_key(tiny_llama, tmp_path):
             match = re.search(r"serving .* at (http://127\.0\.0\.1:\d+)", line)
             url = match.group(1) if match else None
         assert url is not None, f"no URL printed: {''.join(seen)}"
-        caps = httpx.get(f"{url}/v1/training/capabilities")  # public
+        assert httpx.get(f"{url}/v1/training/capabilities").status_code == 401  # keys cover every route
+        assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}  # but the health check
+        caps = httpx.get(f"{url}/v1/training/capabilities", headers={"Authorization": "Bearer secret"})
         assert caps.status_code == 200 and caps.json()["models"][0]["compute_dtype"] == "bfloat16"
         assert httpx.post(f"{url}/v1/sessions", json={}).status_code == 401
         created = httpx.post(f"{url}/v1/sessions", json={}, headers={"Authorization": "Bearer secret"})

@@ -1,4 +1,4 @@
-"""The `whitney` command: demo (and, as the service lands, serve)."""
+"""The `whitney` command: demo, serve, and keys (create, list and revoke API keys)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                        help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
                             "bfloat16 is several times faster on CPUs with AVX-512 BF16")
+    add_request_limit_flags(serve)
+    add_key_limit_flags(serve)
+    add_keys_command(sub)
     args = parser.parse_args(argv)
 
     if args.command == "serve":
         return serve_main(args)
+    if args.command == "keys":
+        return keys_main(args)
 
     if args.command == "demo":
         from whitney.demo import run_demo
@@ -59,7 +64,8 @@ def serve_main(args) -> int:
     config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
                            session_timeout=args.session_timeout, max_lora_rank=args.max_lora_rank,
                            max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens,
-                           compute_dtype=args.dtype)
+                           compute_dtype=args.dtype, limits=request_limits(args), require_keys=args.require_keys,
+                           key_limits=key_limits(args))
     if args.data_dir:
         config.data_dir = Path(args.data_dir)
     # HTTP on a thread, the engine's worker loop on the main thread (see Scheduler.run for why).
@@ -75,6 +81,129 @@ def serve_main(args) -> int:
         scheduler.run()
     finally:
         server.stop()
+    return 0
+
+
+# ---- per-request limits -------------------------------------------------------------------------
+
+def add_request_limit_flags(serve: argparse.ArgumentParser) -> None:
+    from dataclasses import fields
+
+    from whitney.service.limits import Limits
+
+    group = serve.add_argument_group("per-request limits", "beyond each, a request is refused with a 413 that "
+                                     "states the limit (shown in /v1/training/capabilities)")
+    for f in fields(Limits):
+        group.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, metavar="N",
+                           help=f"{f.metadata['help']} (default {f.default})")
+
+
+def request_limits(args):
+    from dataclasses import fields
+
+    from whitney.service.limits import Limits
+
+    return Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+
+# ---- API keys and per-key quotas ------------------------------------------------------------------
+
+DEFAULT_DATA_DIR = "~/.local/share/whitney"
+
+
+def _limit(name: str):
+    def limit(value: str) -> int:
+        from whitney.service.keys import parse_limit
+
+        return parse_limit(name, value)
+    return limit
+
+
+def add_key_limit_flags(serve: argparse.ArgumentParser) -> None:
+    from whitney.service.keys import LIMITS, KeyLimits
+
+    group = serve.add_argument_group(
+        "API keys and per-key quotas", "Keys are required once --api-key is given, with --require-keys, or when "
+        "the database holds a key (whitney keys create). Limits: 0 is unlimited; a file sets defaults, flags "
+        "override the file, and a key's own limits override both. Beyond a limit: 429 with Retry-After.")
+    group.add_argument("--require-keys", action="store_true", help="require a key even before any key exists")
+    group.add_argument("--limits-file", default=None, help="TOML file of per-key limits: max_runs = 8, ...")
+    for name in LIMITS:
+        group.add_argument(f"--{name.replace('_', '-')}-per-key", dest=name, type=_limit(name), default=None,
+                           metavar="BYTES" if name == "max_adapter_bytes" else "N", help=f"default {getattr(KeyLimits(), name)}" + (" (units: 8GiB, 500MB)"
+                                                                           if name == "max_adapter_bytes" else ""))
+
+
+def key_limits(args):
+    """The server's per-key limits: the built-in defaults, then the --limits-file, then the flags."""
+    from whitney.service.keys import LIMITS, KeyLimits, limits_from_file
+
+    own = limits_from_file(args.limits_file) if args.limits_file else {}
+    own.update({name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None})
+    return KeyLimits().override(own)
+
+
+def add_keys_command(sub) -> None:
+    from whitney.service.keys import LIMITS
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys (a running server sees them within seconds)")
+    actions = keys.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="make a key; it is printed once, and only its digest is stored")
+    create.add_argument("--name", default=None, help="a label to recognise the key by")
+    for name in LIMITS:
+        create.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_limit(name), default=None,
+                            metavar="BYTES" if name == "max_adapter_bytes" else "N", help="this key's own limit (0 unlimited; default: the server's)")
+    listing = actions.add_parser("list", help="every key: id, name, created, revoked, limits (never the key)")
+    listing.add_argument("--json", action="store_true", help="as JSON")
+    revoke = actions.add_parser("revoke", help="refuse a key from now on (its runs and checkpoints stay)")
+    revoke.add_argument("key_id")
+    for parser in (create, listing, revoke):
+        where = parser.add_mutually_exclusive_group()
+        where.add_argument("--data-dir", default=None, help=f"the server's data dir (default {DEFAULT_DATA_DIR})")
+        where.add_argument("--db-url", default=None, help="the server's SQLAlchemy URL")
+
+
+def keys_main(args) -> int:
+    import json
+    import time
+
+    from whitney.errors import NotFound
+    from whitney.service.keys import LIMITS, digest_of, new_key
+    from whitney.service.store import Store
+
+    if args.db_url is None:
+        data_dir = Path(args.data_dir or DEFAULT_DATA_DIR).expanduser()
+        data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(args.db_url or f"sqlite:///{data_dir / 'whitney.db'}")
+    if args.action == "create":
+        key = new_key()
+        row = store.create_key(digest_of(key), args.name, {name: getattr(args, name) for name in LIMITS})
+        print(key)
+        label = f" ({args.name})" if args.name else ""
+        print(f"created {row['id']}{label}; the key above is shown only now", file=sys.stderr)
+        return 0
+    if args.action == "revoke":
+        try:
+            row = store.revoke_key(args.key_id)
+        except NotFound as e:
+            print(f"whitney keys revoke: {e}", file=sys.stderr)
+            return 1
+        label = row["name"]
+        print(f"revoked {row['id']}" + (f" ({label})" if label else ""))
+        return 0
+    rows = [{k: v for k, v in row.items() if k != "digest"} for row in store.list_keys()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+
+    def when(t: float | None) -> str:
+        return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+    table = [("ID", "NAME", "CREATED", "REVOKED", "LIMITS")] + [
+        (r["id"], r["name"] or "-", when(r["created_at"]), when(r["revoked_at"]),
+         ", ".join(f"{n}={r[n]}" for n in LIMITS if r[n] is not None) or "server defaults") for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(4)]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[4])
     return 0
 
 

@@ -19,6 +19,7 @@ import sqlalchemy as sql
 
 from tests.service.conftest import start_server
 from whitney.service.app import ServiceConfig
+from whitney.service.limits import Limits
 
 VOCAB, CONTEXT, MAX_RANK = 49152, 512, 128
 CODES = {400: "invalid_input", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
@@ -73,6 +74,11 @@ def raw(body: dict, literal: str) -> bytes:
     return json.dumps(body).replace('"@"', literal).encode()
 
 
+def text(body: dict) -> bytes:
+    """JSON text as json.dumps writes it: a lone surrogate in a string becomes the escape \\udc80."""
+    return json.dumps(body).encode()
+
+
 def on_run(route: str) -> Callable[[SimpleNamespace], str]:
     return lambda c: f"/v1/runs/{c.run}/{route}"
 
@@ -123,10 +129,10 @@ CASES = [
     Case("seq_id_beyond_int64", "POST", OPTIM, {"seq_id": 2**63}, 422, "seq_id"),
     # -- datums --------------------------------------------------------------------------------------
     Case("empty_data", "POST", FB, fb([]), 422, "data"),
-    Case("empty_token_ids", "POST", FB, fb([ce(tokens=[], targets=[])]), 400, "token_ids", 0),
-    Case("empty_token_chunks", "POST", FB, fb([ce(), ce(tokens=[[], []], targets=[])]), 400, "token_ids", 1),
+    Case("empty_token_ids", "POST", FB, fb([ce(tokens=[], targets=[])]), 422, "token_ids", 0),
+    Case("empty_token_chunks", "POST", FB, fb([ce(), ce(tokens=[[], []], targets=[])]), 422, "token_ids", 1),
     Case("input_token_out_of_vocab", "POST", FB, fb([ce(), ce(tokens=[1, VOCAB, 3, 4])]), 400, "token_ids", 1),
-    Case("input_token_negative", "POST", FB, fb([ce(tokens=[1, -1, 3, 4])]), 400, "token_ids", 0),
+    Case("input_token_negative", "POST", FB, fb([ce(tokens=[1, -1, 3, 4])]), 422, "token_ids", 0),
     Case("input_token_beyond_int64", "POST", FB, fb([ce(), ce(tokens=[1, 2**70, 3, 4])]), 400, "token_ids", 1),
     Case("input_over_context", "POST", FB,
          fb([ce(tokens=[1] * (CONTEXT + 1), targets=[1] * (CONTEXT + 1))]), 400, "token_ids", 0),
@@ -142,7 +148,7 @@ CASES = [
          "target_tokens", 0),
     Case("values_not_filling_shape", "POST", FB, fb([ce(target_tokens=tensor(TARGETS, shape=[5]))]), 400,
          "target_tokens", 0),
-    Case("negative_shape", "POST", FB, fb([ce(target_tokens=tensor(TARGETS, shape=[-4]))]), 400,
+    Case("negative_shape", "POST", FB, fb([ce(target_tokens=tensor(TARGETS, shape=[-4]))]), 422,
          "target_tokens", 0),
     Case("weights_shape_mismatch", "POST", FB, fb([ce(), ce(weights=[1.0, 1.0, 1.0])]), 400, "weights", 1),
     Case("weights_not_matching_2d_targets", "POST", FB,
@@ -220,27 +226,27 @@ CASES = [
               "loss_inputs": {k: v for k, v in opsd()["loss_inputs"].items() if k != "teacher_token_ids"}}],
             loss_function="opsd"), 400, "teacher_token_ids", 0),
     # -- optim_step ----------------------------------------------------------------------------------
-    Case("learning_rate_zero", "POST", OPTIM, {"seq_id": 0, "adam_params": {"learning_rate": 0.0}}, 400,
+    Case("learning_rate_zero", "POST", OPTIM, {"seq_id": 0, "adam_params": {"learning_rate": 0.0}}, 422,
          "learning_rate"),
-    Case("learning_rate_negative", "POST", OPTIM, {"seq_id": 0, "adam_params": {"learning_rate": -1e-4}}, 400,
+    Case("learning_rate_negative", "POST", OPTIM, {"seq_id": 0, "adam_params": {"learning_rate": -1e-4}}, 422,
          "learning_rate"),
     Case("learning_rate_inf", "POST", OPTIM, raw({"seq_id": 0, "adam_params": {"learning_rate": "@"}}, "1e999"),
          400, "learning_rate"),
-    Case("beta1_one", "POST", OPTIM, {"seq_id": 0, "adam_params": {"beta1": 1.0}}, 400, "beta1"),
-    Case("beta2_above_one", "POST", OPTIM, {"seq_id": 0, "adam_params": {"beta2": 1.5}}, 400, "beta2"),
-    Case("eps_zero", "POST", OPTIM, {"seq_id": 0, "adam_params": {"eps": 0.0}}, 400, "eps"),
-    Case("weight_decay_negative", "POST", OPTIM, {"seq_id": 0, "adam_params": {"weight_decay": -0.1}}, 400,
+    Case("beta1_one", "POST", OPTIM, {"seq_id": 0, "adam_params": {"beta1": 1.0}}, 422, "beta1"),
+    Case("beta2_above_one", "POST", OPTIM, {"seq_id": 0, "adam_params": {"beta2": 1.5}}, 422, "beta2"),
+    Case("eps_zero", "POST", OPTIM, {"seq_id": 0, "adam_params": {"eps": 0.0}}, 422, "eps"),
+    Case("weight_decay_negative", "POST", OPTIM, {"seq_id": 0, "adam_params": {"weight_decay": -0.1}}, 422,
          "weight_decay"),
     Case("gradient_clip_norm_negative", "POST", OPTIM, {"seq_id": 0, "adam_params": {"gradient_clip_norm": -1.0}},
-         400, "gradient_clip_norm"),
-    Case("gradient_scale_zero", "POST", OPTIM, {"seq_id": 0, "adam_params": {"gradient_scale": 0.0}}, 400,
+         422, "gradient_clip_norm"),
+    Case("gradient_scale_zero", "POST", OPTIM, {"seq_id": 0, "adam_params": {"gradient_scale": 0.0}}, 422,
          "gradient_scale"),
-    Case("lora_plus_ratio_negative", "POST", OPTIM, {"seq_id": 0, "adam_params": {"lora_plus_ratio": -2.0}}, 400,
+    Case("lora_plus_ratio_negative", "POST", OPTIM, {"seq_id": 0, "adam_params": {"lora_plus_ratio": -2.0}}, 422,
          "lora_plus_ratio"),
     # -- runs and their LoRA ---------------------------------------------------------------------------
-    Case("lora_rank_zero", "POST", NEW_RUN, {"lora": {"rank": 0}}, 400, "rank"),
+    Case("lora_rank_zero", "POST", NEW_RUN, {"lora": {"rank": 0}}, 422, "rank"),
     Case("lora_rank_above_max", "POST", NEW_RUN, {"lora": {"rank": MAX_RANK + 1}}, 400, "rank"),
-    Case("lora_alpha_zero", "POST", NEW_RUN, {"lora": {"alpha": 0.0}}, 400, "alpha"),
+    Case("lora_alpha_zero", "POST", NEW_RUN, {"lora": {"alpha": 0.0}}, 422, "alpha"),
     Case("lora_unknown_target_module", "POST", NEW_RUN, {"lora": {"target_modules": ["q_proj", "attn_c"]}}, 400,
          "target_modules"),
     Case("lora_empty_target_modules", "POST", NEW_RUN, {"lora": {"target_modules": []}}, 400, "target_modules"),
@@ -283,17 +289,17 @@ CASES = [
     Case("load_state_with_optimizer_without_one", "POST", on_run("load_state_with_optimizer"),
          lambda c: {"seq_id": 0, "checkpoint_id": c.noopt_pkg}, 400, "checkpoint_id"),
     # -- sampling and log-probs ----------------------------------------------------------------------
-    Case("sample_empty_prompt", "POST", SAMPLES, {"prompt": []}, 400, "prompt"),
+    Case("sample_empty_prompt", "POST", SAMPLES, {"prompt": []}, 422, "prompt"),
     Case("sample_prompt_token_out_of_vocab", "POST", SAMPLES, {"prompt": [1, VOCAB]}, 400, "prompt"),
-    Case("sample_temperature_negative", "POST", SAMPLES, {"prompt": [1], "temperature": -0.5}, 400, "temperature"),
-    Case("sample_top_p_zero", "POST", SAMPLES, {"prompt": [1], "top_p": 0.0}, 400, "top_p"),
-    Case("sample_top_p_above_one", "POST", SAMPLES, {"prompt": [1], "top_p": 1.5}, 400, "top_p"),
-    Case("sample_top_k_below_minus_one", "POST", SAMPLES, {"prompt": [1], "top_k": -2}, 400, "top_k"),
-    Case("sample_num_samples_zero", "POST", SAMPLES, {"prompt": [1], "num_samples": 0}, 400, "num_samples"),
-    Case("sample_max_tokens_zero", "POST", SAMPLES, {"prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    Case("sample_temperature_negative", "POST", SAMPLES, {"prompt": [1], "temperature": -0.5}, 422, "temperature"),
+    Case("sample_top_p_zero", "POST", SAMPLES, {"prompt": [1], "top_p": 0.0}, 422, "top_p"),
+    Case("sample_top_p_above_one", "POST", SAMPLES, {"prompt": [1], "top_p": 1.5}, 422, "top_p"),
+    Case("sample_top_k_below_minus_one", "POST", SAMPLES, {"prompt": [1], "top_k": -2}, 422, "top_k"),
+    Case("sample_num_samples_zero", "POST", SAMPLES, {"prompt": [1], "num_samples": 0}, 422, "num_samples"),
+    Case("sample_max_tokens_zero", "POST", SAMPLES, {"prompt": [1], "max_tokens": 0}, 422, "max_tokens"),
     Case("sample_beyond_context", "POST", SAMPLES, {"prompt": [1] * (CONTEXT - 10), "max_tokens": 11}, 400,
          "max_tokens"),
-    Case("sample_empty_stop", "POST", SAMPLES, {"prompt": [1], "stop": [""]}, 400, "stop"),
+    Case("sample_empty_stop", "POST", SAMPLES, {"prompt": [1], "stop": [""]}, 422, "stop"),
     Case("sample_run_and_base_model", "POST", SAMPLES,
          lambda c: {"prompt": [1], "run_id": c.used, "version": 1, "base_model": c.model}, 400, "base_model"),
     Case("sample_run_without_version", "POST", SAMPLES, lambda c: {"prompt": [1], "run_id": c.used}, 400,
@@ -342,6 +348,41 @@ CASES = [
          "name"),
     Case("export_lora_name_with_slash", "POST", on_run("export_lora"), {"seq_id": 0, "name": "a/b"}, 422, "name"),
     Case("sampler_name_empty", "POST", on_run("save_weights_for_sampler"), {"seq_id": 0, "name": ""}, 422, "name"),
+    # -- invalid text: refused before any route (a stored lone surrogate broke every later listing) --------
+    Case("session_metadata_lone_surrogate", "POST", lambda c: "/v1/sessions",
+         text({"user_metadata": {"a": "\udc80"}}), 400, "user_metadata.a"),
+    Case("session_metadata_key_lone_surrogate", "POST", lambda c: "/v1/sessions",
+         text({"user_metadata": {"ok": 1, "k\ud800": 1}}), 400, "user_metadata.k"),
+    Case("run_metadata_lone_surrogate", "POST", NEW_RUN, text({"user_metadata": {"tags": ["ok", "\udfff"]}}), 400,
+         "user_metadata.tags.1"),
+    Case("loss_input_name_lone_surrogate", "POST", FB,
+         text(fb([ce(**{"w\udc80": tensor([1.0] * 4, "float32")})])), 400, "data.0.loss_inputs.w"),
+    Case("loss_config_key_lone_surrogate", "POST", FB,
+         text(fb([rl()], loss_function="ppo", loss_config={"clip_low\udc80": 0.2})), 400, "loss_config.clip_low"),
+    Case("checkpoint_name_lone_surrogate", "POST", on_run("save_state"), text({"seq_id": 0, "name": "c\udc80"}),
+         400, "name"),
+    Case("checkpoint_id_lone_surrogate", "POST", on_run("load_state"),
+         text({"seq_id": 0, "checkpoint_id": "pkg-\udc80"}), 400, "checkpoint_id"),
+    Case("sample_run_id_lone_surrogate", "POST", SAMPLES, text({"prompt": [1], "run_id": "\ud800", "version": 1}),
+         400, "run_id"),
+    Case("sample_stop_lone_surrogate", "POST", SAMPLES, text({"prompt": [1], "stop": ["x", "\udc80"]}), 400,
+         "stop.1"),
+    Case("body_invalid_utf8", "POST", lambda c: "/v1/sessions", b'{"user_metadata": {"a": "\xff"}}', 400, "body"),
+    Case("body_utf8_encoded_surrogate", "POST", NEW_RUN, b'{"user_metadata": {"a": "\xed\xb2\x80"}}', 400,
+         "body"),
+    Case("body_invalid_utf8_not_declared_json", "POST", lambda c: "/v1/sessions", b"\xff\xfe{}", 400, "body"),
+    Case("path_percent_encoded_surrogate", "GET", lambda c: "/v1/runs/%ED%B2%80", None, 404, "run_id"),
+    Case("path_percent_encoded_invalid_utf8", "GET", lambda c: "/v1/checkpoints/%FF%FE/archive", None, 404,
+         "checkpoint_id"),
+    Case("query_percent_encoded_surrogate", "GET", lambda c: f"/v1/operations/{c.op}?wait=%ED%B2%80", None, 422,
+         "wait"),
+    # -- sampling parameters the batch could not run (a failure there failed every sample in flight) -------
+    Case("sample_top_k_above_vocab", "POST", SAMPLES, {"prompt": [1], "top_k": VOCAB + 1}, 400, "top_k"),
+    # -- tensor sizes: K of an [N, K] soft target is bounded (datum.MAX_K), so are the dimensions ----------
+    Case("soft_targets_k_above_max", "POST", FB, fb([ce(target_tokens=tensor([2] * 4 * 257, shape=[4, 257]))]), 400,
+         "target_tokens", 0),
+    Case("tensor_three_dims", "POST", FB, fb([ce(target_tokens=tensor(TARGETS, shape=[4, 1, 1]))]), 400,
+         "target_tokens", 0),
 ]
 
 
@@ -539,7 +580,7 @@ def test_a_retry_with_the_same_body_is_not_a_conflict(srv, ctx):
 
 
 def test_body_over_the_limit_is_413(make_server):
-    server = make_server(max_request_bytes=1000)
+    server = make_server(limits=Limits(max_request_bytes=1000))
     small = {"user_metadata": {"note": "x" * 800}}
     big = {"user_metadata": {"note": "x" * 1200}}
     with server.http() as http:
@@ -581,7 +622,7 @@ def test_a_rejected_request_leaves_no_gradient_and_no_seq_id(srv, ctx):
         fwd = succeeded(http, http.post(f"/v1/runs/{run}/forward_backward", json=good))
         if reject:
             assert_error(http.post(f"/v1/runs/{run}/optim_step", json={**step, "adam_params": {"beta1": 1.0}}),
-                         400, "beta1", None)
+                         422, "beta1", None)
             assert_error(http.post(f"/v1/runs/{run}/optim_step", json={"seq_id": 1, "adam_params": {"lr": 1}}),
                          422, "adam_params.lr", None)
         metrics = succeeded(http, http.post(f"/v1/runs/{run}/optim_step", json=step))["result"]["metrics"]
@@ -599,3 +640,110 @@ def test_a_rejected_request_leaves_no_gradient_and_no_seq_id(srv, ctx):
     assert rejected[0] == pytest.approx(clean[0], rel=1e-6)
     assert rejected[1] == pytest.approx(clean[1], rel=1e-6)
     assert rejected[1] != pytest.approx(untrained, rel=1e-6)  # the step did move the weights
+
+
+# ---- invalid text already stored, restarts, crash leftovers, one failing sample ---------------------
+
+def test_stored_invalid_text_cannot_break_a_listing(make_server):
+    """Rows written before the edge check could hold lone surrogates (escaped in the JSON text); they read
+    back with U+FFFD, so listings answer 200, before and after a restart."""
+    server = make_server()
+    with server.http() as http:
+        session = http.post("/v1/sessions", json={"user_metadata": {"a": "ok"}}).json()["id"]
+        run = new_run(http, session, user_metadata={"b": "ok"})
+    with server.app.state.whitney.store.engine.begin() as db:
+        for table, row in (("sessions", session), ("runs", run)):
+            db.execute(sql.text(f"UPDATE {table} SET user_metadata = :m WHERE id = :id"),
+                       {"m": '{"a\\udc80": ["\\ud800x", "\\ud83d\\ude00"]}', "id": row})
+    want = {"a\ufffd": ["\ufffdx", "\U0001F600"]}  # a valid pair stays the character it encodes
+    for attempt in range(2):
+        with server.http() as http:
+            for path in ("/v1/sessions", f"/v1/sessions/{session}/runs"):
+                r = http.get(path)
+                assert r.status_code == 200, (attempt, path, r.text)
+                assert r.json()[0]["user_metadata"] == want, r.json()
+            for path in (f"/v1/sessions/{session}", f"/v1/runs/{run}", f"/api/v1/training_runs/{run}"):
+                assert http.get(path).status_code == 200, (attempt, path)
+            assert http.get("/api/v1/training_runs").status_code == 200
+        server.stop()
+        server = make_server()  # the same data directory
+
+
+def test_failed_operations_after_a_restart_carry_category(make_server):
+    """An operation cut off by a restart fails with code server_restarted and category server (the Tinker
+    future says so too), like every other failed operation."""
+    server = make_server()
+    with server.http() as http:
+        run = new_run(http, http.post("/v1/sessions", json={}).json()["id"])
+        queued = http.post(f"/v1/runs/{run}/optim_step", json={"seq_id": 1}).json()  # seq_id 0 never comes
+        assert queued["status"] == "queued"
+    server.stop()
+    with make_server().http() as http:
+        op = http.get(f"/v1/operations/{queued['id']}").json()
+        assert op["status"] == "failed", op
+        assert op["error"]["code"] == "server_restarted" and op["error"]["category"] == "server", op
+        future = http.post("/api/v1/retrieve_future", json={"request_id": queued["id"]}).json()
+        assert future["category"] == "server", future
+
+
+def test_crash_leftovers_are_removed_at_startup(make_server):
+    """A process killed inside atomic_dir (save_weights with merge=True writes hundreds of MB) leaves
+    `.{name}.tmp-*` beside the packages; the next start removes them and keeps every real checkpoint."""
+    server = make_server()
+    with server.http() as http:
+        run = new_run(http, http.post("/v1/sessions", json={}).json()["id"])
+        package = succeeded(http, http.post(f"/v1/runs/{run}/save_state", json={"seq_id": 0}))["result"]["package"]
+    server.stop()
+    packages = server.config.data_dir / "packages"
+    leftovers = [packages / ".pkg-0123456789abcdef.tmp-x1y2z3", packages / ".pkg-fedcba9876543210.tmp-abc"]
+    for d in leftovers:
+        (d / "nested").mkdir(parents=True)
+        (d / "nested" / "model.safetensors").write_bytes(b"\0" * 1024)
+    kept = sorted(p.name for p in packages.iterdir() if p not in leftovers)
+    assert kept, "the saved state is not under data_dir/packages"
+    server = make_server()
+    assert not any(d.exists() for d in leftovers), "half-written checkpoints survived the restart"
+    assert sorted(p.name for p in packages.iterdir()) == kept
+    with server.http() as http:
+        run = new_run(http, http.post("/v1/sessions", json={}).json()["id"])
+        succeeded(http, http.post(f"/v1/runs/{run}/load_state", json={"seq_id": 0, "checkpoint_id": package["id"]}))
+
+
+def test_one_failing_sample_fails_alone(srv, monkeypatch):
+    """A sample whose own next-token choice raises fails (code internal, category server); the samples in
+    flight with it succeed with the tokens they get alone, and the server samples on."""
+    from whitney.engine import sampler
+
+    real = sampler.next_tokens
+
+    def next_tokens(logits, rows, u):
+        if any(r.request.params.seed == 666 for r in rows):
+            raise RuntimeError("injected failure")
+        return real(logits, rows, u)
+
+    good = [{"prompt": [1, 2, 3], "max_tokens": 12, "temperature": 1.0, "seed": s, "stop": []} for s in (1, 2)]
+    with srv.http() as http:
+        alone = [succeeded(http, http.post("/v1/samples", json=b))["result"]["sequences"] for b in good]
+        monkeypatch.setattr(sampler, "next_tokens", next_tokens)
+        ops = [http.post("/v1/samples", json=b).json() for b in (good[0], {**good[0], "seed": 666}, good[1])]
+        done = [settle(http, op) for op in ops]
+        assert done[1]["status"] == "failed", done[1]
+        assert done[1]["error"]["code"] == "internal" and done[1]["error"]["category"] == "server", done[1]
+        assert [d["status"] for d in (done[0], done[2])] == ["succeeded", "succeeded"], done
+        for d, ref in zip((done[0], done[2]), alone):
+            (seq,), (want,) = d["result"]["sequences"], ref
+            assert seq["tokens"] == want["tokens"] and seq["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+        monkeypatch.undo()
+        again = succeeded(http, http.post("/v1/samples", json=good[1]))["result"]["sequences"]
+        assert again[0]["tokens"] == alone[1][0]["tokens"]
+
+
+def test_schema_errors_name_the_field_not_pydantic_type_tags(srv, ctx):
+    """A violation inside a union (`token_ids` is ints or chunks) names the request's own path."""
+    with srv.http() as http:
+        err = assert_error(http.post(f"/v1/runs/{ctx.run}/forward_backward", json=fb([ce(), ce(tokens=[1, -1, 3, 4])])),
+                           422, None, 1)
+        assert err["field"] == "data.1.input.token_ids.1", err
+        err = assert_error(http.post(f"/v1/runs/{ctx.run}/forward_backward",
+                                     json=fb([ce(weights=tensor([True, False, True, True], "float32"))])), 422, None, 0)
+        assert err["field"] == "data.0.loss_inputs.weights.values.0", err

@@ -13,6 +13,7 @@ import io
 import tarfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -142,7 +143,7 @@ def test_sft_flow_over_raw_http(server, tiny_llama, tmp_path):
     caps = expect(http.get("/v1/training/capabilities"), 200)
     for kind in ("forward_backward", "optim_step", "save_state", "export_lora"):
         assert kind in caps["operations"]
-    assert [m["name"] for m in caps["models"]] == [tiny_llama]
+    assert [m["name"] for m in caps["models"]] == [Path(tiny_llama).name]  # a directory by its name, no path
     assert caps["models"][0]["compute_dtype"] == "float32"  # the default
 
     session = expect(http.post("/v1/sessions", json={"user_metadata": {"job": "sft"}}), 201)
@@ -150,7 +151,7 @@ def test_sft_flow_over_raw_http(server, tiny_llama, tmp_path):
     sid = session["id"]
     run = expect(http.post(f"/v1/sessions/{sid}/runs", json={"lora": {**LORA, "seed": 3}}), 201)
     rid = run["id"]
-    assert run["status"] == "active" and run["base_model"] == tiny_llama and run["lora"]["rank"] == 8
+    assert run["status"] == "active" and run["base_model"] == Path(tiny_llama).name and run["lora"]["rank"] == 8
 
     data, seq, losses = sft_batch(), 0, []
     for _ in range(3):

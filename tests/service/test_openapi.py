@@ -216,3 +216,189 @@ def test_docs_describe_errors_and_long_polling():
         assert f"`{code}`" in text, code
     for word in ("`datum_index`", "`field`", "`wait`", "30"):
         assert word in text, word
+
+
+# ---- what the schema states is what the server enforces -------------------------------------------
+
+def test_enforced_constraints_are_published(spec):
+    """The rules the server can state without the model are in the schema: ranges, non-empty lists, 2**63 - 1."""
+    def props(name: str) -> dict:
+        return spec["components"]["schemas"][name]["properties"]
+
+    for name in ("ForwardPayload", "OptimStep", "SaveState", "LoadState", "SaveWeights", "ExportLora",
+                 "SaveForSampler"):
+        seq = props(name)["seq_id"]
+        assert seq["type"] == "integer" and seq["minimum"] == 0, name
+        # an integer in the JSON text, not 9.223372036854776e+18 (nor 2**63 - 1 rounded up to 2**63)
+        assert type(seq["exclusiveMaximum"]) is int and seq["exclusiveMaximum"] == 2**63, (name, seq)
+        assert type(seq["minimum"]) is int, (name, seq)
+    token_ids = props("ModelInput")["token_ids"]["anyOf"]
+    assert token_ids[0]["minItems"] == 1 and token_ids[0]["items"]["minimum"] == 0
+    assert token_ids[1]["minItems"] == 1 and token_ids[1]["items"]["minItems"] == 1
+    assert props("SampleRequest")["prompt"]["minItems"] == 1
+    assert props("LogprobsRequest")["sequences"]["minItems"] == 1
+    assert props("LogprobsRequest")["sequences"]["items"]["minItems"] == 1
+
+    adam = props("AdamSpec")
+    assert adam["learning_rate"]["exclusiveMinimum"] == 0 and adam["eps"]["exclusiveMinimum"] == 0
+    for beta in ("beta1", "beta2"):
+        assert adam[beta]["minimum"] == 0 and adam[beta]["exclusiveMaximum"] == 1
+    assert adam["weight_decay"]["minimum"] == 0 and adam["gradient_clip_norm"]["minimum"] == 0
+    assert adam["lora_plus_ratio"]["exclusiveMinimum"] == 0 and adam["gradient_scale"]["exclusiveMinimum"] == 0
+
+    sample = props("SampleRequest")
+    assert sample["max_tokens"]["minimum"] == 1 and sample["num_samples"]["minimum"] == 1
+    assert sample["temperature"]["minimum"] == 0 and sample["top_k"]["minimum"] == -1
+    assert sample["top_p"]["exclusiveMinimum"] == 0 and sample["top_p"]["maximum"] == 1
+    assert sample["topk_prompt_logprobs"]["minimum"] == 0 and sample["topk_prompt_logprobs"]["maximum"] == 100
+    assert sample["seed"]["anyOf"][0]["exclusiveMaximum"] == 2**63
+
+    lora = props("LoraSpec")
+    assert lora["rank"]["minimum"] == 1 and lora["alpha"]["exclusiveMinimum"] == 0
+    assert lora["seed"]["minimum"] == 0 and lora["seed"]["exclusiveMaximum"] == 2**63
+
+
+@pytest.fixture(scope="module")
+def run_id(srv) -> str:
+    with srv.http() as http:
+        session = http.post("/v1/sessions", json={}).json()["id"]
+        return http.post(f"/v1/sessions/{session}/runs", json={"lora": {"rank": 2}}).json()["id"]
+
+
+DATUM = {"input": {"token_ids": [1, 2, 3]},
+         "loss_inputs": {"target_tokens": {"dtype": "int64", "shape": [3], "values": [2, 3, 4]}}}
+
+
+def weighted(values: list) -> dict:
+    return {"seq_id": 0, "data": [{**DATUM, "loss_inputs": {**DATUM["loss_inputs"], "weights": {
+        "dtype": "float32", "shape": [3], "values": values}}}]}
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("forward", {"seq_id": True, "data": [DATUM]}, "seq_id"),  # not seq 1
+    ("forward", {"seq_id": "0", "data": [DATUM]}, "seq_id"),  # not seq 0
+    ("forward", {"seq_id": 0.0, "data": [DATUM]}, "seq_id"),
+    ("forward", weighted([False, True, True]), "weights.values"),  # not 0.0 and 1.0
+    ("forward", weighted(["1", "1", "1"]), "weights.values"),
+    ("forward", {"seq_id": 0, "data": [{**DATUM, "input": {"token_ids": [True, 2, 3]}}]}, "token_ids"),
+    ("forward", {"seq_id": 0, "data": [{**DATUM, "input": {"token_ids": []}}]}, "token_ids"),
+    ("forward", {"seq_id": 0, "data": [{**DATUM, "input": {"token_ids": [[1, 2], []]}}]}, "token_ids"),
+    ("forward", {"seq_id": 2**63, "data": [DATUM]}, "seq_id"),
+    ("optim_step", {"seq_id": 0, "adam_params": {"learning_rate": "0.1"}}, "adam_params.learning_rate"),
+    ("optim_step", {"seq_id": 0, "adam_params": {"beta1": True}}, "adam_params.beta1"),
+    ("optim_step", {"seq_id": 0, "adam_params": {"beta2": 1.0}}, "adam_params.beta2"),
+    ("optim_step", {"seq_id": 0, "adam_params": {"eps": 0}}, "adam_params.eps"),
+    ("save_state", {"seq_id": 0, "include_optimizer": 1}, "include_optimizer"),
+])
+def test_wire_types_are_strict_and_ranges_enforced(srv, run_id, route, body, field):
+    """A JSON boolean is no number and a string no integer (no coercion), and a published range is a 422."""
+    with srv.http() as http:
+        r = http.post(f"/v1/runs/{run_id}/{route}", json=body)
+        assert r.status_code == 422, r.text
+        assert field in r.json()["field"], r.json()
+        assert http.get(f"/v1/runs/{run_id}/operations").json() == []  # nothing was queued
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/samples", {"prompt": [1], "num_samples": True}, "num_samples"),
+    ("/v1/samples", {"prompt": [1], "temperature": "0.5"}, "temperature"),
+    ("/v1/samples", {"prompt": [1], "prompt_logprobs": 0}, "prompt_logprobs"),
+    ("/v1/samples", {"prompt": [1], "top_p": 0}, "top_p"),
+    ("/v1/samples", {"prompt": [1], "topk_prompt_logprobs": 101}, "topk_prompt_logprobs"),
+    ("/v1/samples", {"prompt": [1], "seed": 2**63}, "seed"),
+    ("/v1/logprobs", {"sequences": [[1, 2], []]}, "sequences"),
+])
+def test_sampling_types_are_strict(srv, path, body, field):
+    with srv.http() as http:
+        r = http.post(path, json=body)
+    assert r.status_code == 422 and field in r.json()["field"], r.text
+
+
+def test_floats_accept_json_integers(srv):
+    """An integer is a number: learning_rate 1 and temperature 0 are floats on the wire."""
+    with srv.http() as http:
+        session = http.post("/v1/sessions", json={}).json()["id"]
+        run = http.post(f"/v1/sessions/{session}/runs", json={"lora": {"rank": 2, "alpha": 4}})
+        assert run.status_code == 201, run.text
+        step = http.post(f"/v1/runs/{run.json()['id']}/optim_step",
+                         json={"seq_id": 0, "adam_params": {"learning_rate": 1, "weight_decay": 0, "beta1": 0}})
+        assert step.status_code == 202, step.text
+        sample = http.post("/v1/samples", json={"prompt": [1, 2], "temperature": 0, "top_p": 1, "max_tokens": 1})
+        assert sample.status_code == 202, sample.text
+
+
+def test_tinker_bodies_are_strict(srv):
+    """The Tinker routes accept unknown fields, but a known one is not coerced either."""
+    with srv.http() as http:
+        r = http.post("/api/v1/create_session", json={"user_metadata": {}, "tags": ["a"], "some_new_field": 1})
+        assert r.status_code == 200, r.text
+        session = r.json()["session_id"]
+        for body, field in (({"session_id": session, "model_seq_id": True, "base_model": srv.config.models[0]},
+                             "model_seq_id"),
+                            ({"session_id": session, "model_seq_id": "0", "base_model": srv.config.models[0]},
+                             "model_seq_id")):
+            r = http.post("/api/v1/create_model", json=body)
+            assert r.status_code == 422, r.text
+            assert r.json()["code"] == "invalid_request" and field in r.json()["field"], r.json()
+
+
+# ---- methods: OPTIONS and Allow -----------------------------------------------------------------------
+
+def allow(response) -> set[str]:
+    return {m.strip() for m in response.headers["allow"].split(",")}
+
+
+def test_options_lists_every_method_of_every_path(srv, spec):
+    """OPTIONS on each documented path (native and Tinker) answers 204 with every method of the path."""
+    with srv.http() as http:
+        tinker_spec = http.get("/api/v1/openapi.json").json()
+        for prefix, paths in (("", spec["paths"]), ("/api/v1", tinker_spec["paths"])):
+            for path, ops in paths.items():
+                url = prefix + re.sub(r"\{[^}]+\}", "x", path)
+                r = http.options(url)
+                assert r.status_code == 204, (url, r.status_code)
+                assert allow(r) == {m.upper() for m in ops} | {"OPTIONS"}, (url, r.headers["allow"])
+        assert http.options("/v1/no/such/path").status_code == 404
+
+
+@pytest.mark.parametrize("method, path, methods", [
+    ("PUT", "/v1/checkpoints/pkg-x", {"GET", "DELETE"}),  # two routes on one path: both named
+    ("POST", "/v1/checkpoints/pkg-x", {"GET", "DELETE"}),
+    ("DELETE", "/v1/sessions", {"GET", "POST"}),
+    ("GET", "/v1/runs/run-x/forward_backward", {"POST"}),
+    ("GET", "/api/v1/create_session", {"POST"}),
+    ("POST", "/api/v1/training_runs/run-x/checkpoints/weights/a", {"DELETE"}),
+    ("HEAD", "/v1/sessions", {"GET", "POST"}),  # a GET route does not answer HEAD, and says so
+])
+def test_wrong_method_is_405_with_every_allowed_method(srv, method, path, methods):
+    with srv.http() as http:
+        r = http.request(method, path)
+    assert r.status_code == 405, r.status_code
+    assert allow(r) == methods | {"OPTIONS"}, r.headers["allow"]
+    if method != "HEAD":
+        assert r.json()["code"] == "method_not_allowed", r.text
+
+
+# ---- the Tinker sub-app's document ---------------------------------------------------------------------
+
+def test_tinker_documents_its_errors(srv):
+    """Every Tinker route documents its 4xx as the Error body they are sent with; 408 and 410 where they occur."""
+    with srv.http() as http:
+        tinker_spec = http.get("/api/v1/openapi.json").json()
+        assert "HTTPValidationError" not in tinker_spec["components"]["schemas"]
+        error = tinker_spec["components"]["schemas"]["Error"]
+        for path, ops in tinker_spec["paths"].items():
+            for method, op in ops.items():
+                for status in ("400", "401", "404", "413", "422", "429"):
+                    schema = op["responses"][status]["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/Error"}, (method, path, status)
+        assert "408" in tinker_spec["paths"]["/retrieve_future"]["post"]["responses"]
+        assert "application/x-protobuf" in tinker_spec["paths"]["/retrieve_future"]["post"]["responses"]["200"]["content"]
+        assert "410" in tinker_spec["paths"]["/session_heartbeat"]["post"]["responses"]
+        bodies = [http.post("/api/v1/create_model", json={"session_id": 1}),
+                  http.post("/api/v1/get_info", json={"model_id": "nope"}), http.get("/api/v1/nope"),
+                  http.post("/api/v1/weights_info", json={"tinker_path": "nope"})]
+    for r in bodies:
+        assert 400 <= r.status_code < 500, r.status_code
+        body = r.json()
+        assert set(body) <= set(error["properties"]) and set(error["required"]) <= set(body), body

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import time
+
 import httpx
 import numpy as np
 import pytest
@@ -12,7 +15,10 @@ from tests.service.conftest import start_server
 from tests.tinker.conftest import API_KEY
 from tests.tinker.helpers import arrays, tinker_data
 from whitney.service.app import ServiceConfig
-from whitney.service.tinker import futures
+from whitney.service.tinker import futures, proto
+
+
+PROTO = {"Content-Type": "application/x-protobuf"}
 
 
 def raw(url: str, key: str = API_KEY) -> httpx.Client:
@@ -30,7 +36,7 @@ def fb_body(model_id: str, seq_id: int) -> bytes:
 def test_out_of_order_requests_wait_for_their_turn(tinker_env, tiny_llama, monkeypatch):
     """seq 3 arrives first and is pending (408 try_again) until 1 and 2 have arrived and run."""
     monkeypatch.setattr(futures, "MAX_WAIT", 0.2)
-    proto = {"Content-Type": "application/x-protobuf"}
+    proto = PROTO
     with raw(tinker_env.url) as http:
         session_id = http.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "x"}
                                ).json()["session_id"]
@@ -80,3 +86,316 @@ def test_api_keys(tmp_path, tiny_llama):
 def test_bad_requests_are_4xx(tinker_env, body, status):
     with raw(tinker_env.url) as http:
         assert http.post("/optim_step", json=body).status_code == status
+
+
+# ---- malformed bodies: every one a 4xx naming its field, on a connection that stays usable ----------
+
+def _varint(v: int) -> bytes:
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        out.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+        v >>= 7
+        if not v:
+            return bytes(out)
+
+
+def key(number: int, wire: int) -> bytes:
+    return _varint(number << 3 | wire)
+
+
+def ld(number: int, payload: bytes) -> bytes:
+    """A length-delimited field."""
+    return key(number, 2) + _varint(len(payload)) + payload
+
+
+def vi(number: int, v: int) -> bytes:
+    return key(number, 0) + _varint(v)
+
+
+def tensor(dtype: int = 1, shape: list[int] | None = None, dense: bytes | None = None,
+           csr: tuple[bytes, list[int], list[int]] | None = None) -> bytes:
+    """A Tensor message: dtype 1 float32, 2 int64; csr = (values, crow_indices, col_indices)."""
+    out = vi(3, dtype) + (ld(4, b"".join(_varint(s) for s in shape)) if shape is not None else b"")
+    if dense is not None:
+        out += ld(1, dense)
+    if csr is not None:
+        values, crow, col = csr
+        out += ld(2, ld(1, values) + ld(2, np.array(crow, "<i8").tobytes()) + ld(3, np.array(col, "<i8").tobytes()))
+    return out
+
+
+def datum(tokens: list[int] = (1, 2, 3), **inputs: bytes) -> bytes:
+    """A Datum: one token chunk and the given loss inputs (name -> Tensor message)."""
+    chunk = ld(1, ld(1, ld(1, np.array(tokens, "<i4").tobytes())))
+    return chunk + b"".join(ld(2, ld(1, name.encode()) + ld(2, t)) for name, t in inputs.items())
+
+
+def f32(values: list[float]) -> bytes:
+    return np.array(values, "<f4").tobytes()
+
+
+# (id, what is appended to a valid request, the field named, the datum index named). The valid request has
+# 2 datums, so an appended datum is data[2]. A field given again overrides (scalars) or adds (repeated).
+MALFORMED = [
+    ("model_id_as_varint", vi(1, 5), "model_id", None),
+    ("model_id_invalid_utf8", ld(1, b"\xff\xfe"), "model_id", None),
+    ("model_id_utf8_encoded_surrogate", ld(1, b"ses-\xed\xb2\x80"), "model_id", None),
+    ("seq_id_as_bytes", ld(2, b"\x01"), "seq_id", None),
+    ("seq_id_as_fixed64", key(2, 1) + b"\x01" * 8, "seq_id", None),
+    ("loss_fn_invalid_utf8", ld(4, b"cross\xff"), "loss_fn", None),
+    ("forward_only_as_bytes", ld(6, b"\x01"), "forward_only", None),
+    ("loss_config_value_as_varint", ld(5, ld(1, b"beta") + vi(2, 3)), "loss_fn_config.beta", None),
+    ("loss_config_value_truncated_fixed64", ld(5, ld(1, b"beta") + key(2, 1) + b"\x00\x00\x00"),
+     "loss_fn_config", None),
+    ("loss_config_key_as_varint", ld(5, vi(1, 1)), "loss_fn_config", None),
+    ("loss_config_v2_text_invalid_utf8", ld(7, ld(1, b"k") + ld(2, ld(2, b"\xff"))), "loss_fn_config_v2.k", None),
+    ("loss_config_v2_number_as_bytes", ld(7, ld(1, b"k") + ld(2, ld(1, b"12345678"))), "loss_fn_config_v2.k",
+     None),
+    ("loss_config_v2_value_as_varint", ld(7, ld(1, b"k") + vi(2, 1)), "loss_fn_config_v2.k", None),
+    ("truncated_fixed64", key(9, 1) + b"\x00\x00", "body", None),
+    ("truncated_fixed32", key(9, 5) + b"\x00", "body", None),
+    ("truncated_length", key(9, 2) + _varint(1000) + b"ab", "body", None),
+    ("varint_over_10_bytes", key(9, 0) + b"\xff" * 11, "body", None),
+    ("group_wire_type", key(9, 3), "body", None),
+    ("datum_as_varint", vi(3, 7), "data[2]", 2),
+    ("model_input_as_varint", ld(3, vi(1, 3)), "data[2].model_input", 2),
+    ("tokens_not_whole_int32", ld(3, ld(1, ld(1, ld(1, b"\x01\x02\x03")))), "data[2].model_input", 2),
+    ("tokens_as_varint", ld(3, ld(1, ld(1, vi(1, 3)))), "data[2].model_input.encoded_text.tokens", 2),
+    ("image_chunk", ld(3, ld(1, ld(2, b""))), "data[2].model_input", 2),
+    ("loss_input_name_invalid_utf8", ld(3, datum() + ld(2, ld(1, b"\xffw") + ld(2, tensor(1, [3], f32([1] * 3))))),
+     "data[2].loss_fn_inputs", 2),
+    ("loss_input_as_varint", ld(3, datum() + vi(2, 1)), "data[2].loss_fn_inputs", 2),
+    ("tensor_as_varint", ld(3, datum() + ld(2, ld(1, b"weights") + vi(2, 1))), "data[2].loss_fn_inputs.weights", 2),
+    ("dtype_as_bytes", ld(3, datum(weights=ld(3, b"\x01") + ld(1, f32([1] * 3)))),
+     "data[2].loss_fn_inputs.weights.dtype", 2),
+    ("dtype_bfloat16", ld(3, datum(weights=tensor(4, [3], b"\0" * 6))), "data[2].loss_fn_inputs.weights", 2),
+    ("dtype_missing", ld(3, datum(weights=ld(1, f32([1] * 3)))), "data[2].loss_fn_inputs.weights", 2),
+    ("dense_bytes_not_whole_float32", ld(3, datum(weights=tensor(1, [3], b"\0" * 11))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("dense_not_filling_shape", ld(3, datum(weights=tensor(1, [4], f32([1] * 3)))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("dense_three_dims", ld(3, datum(weights=tensor(1, [3, 1, 1], f32([1] * 3)))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("shape_negative", ld(3, datum(weights=tensor(1, [-3], f32([1] * 3)))), "data[2].loss_fn_inputs.weights", 2),
+    ("shape_as_fixed32", ld(3, datum(weights=tensor(1, None, f32([1] * 3)) + key(4, 5) + b"\x03\0\0\0")),
+     "data[2].loss_fn_inputs.weights.shape", 2),
+    # A sparse tensor of declared shape [1, 10^8] in a 100-byte body allocated 1.5 GB before it was checked.
+    ("sparse_huge_shape", ld(3, datum([1], weights=tensor(1, [1, 10**8], csr=(f32([1.0]), [0, 1], [5])))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("sparse_k_above_max", ld(3, datum([1], weights=tensor(1, [1, 257], csr=(f32([1.0]), [0, 1], [5])))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("sparse_rows_not_tokens", ld(3, datum([1, 2, 3], weights=tensor(1, [5, 2], csr=(f32([]), [0] * 6, [])))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("sparse_one_dim", ld(3, datum([1, 2, 3], weights=tensor(1, [3], csr=(f32([1.0]), [0, 1], [0])))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("sparse_crow_decreasing", ld(3, datum([1, 2, 3], weights=tensor(1, [3, 2], csr=(f32([1, 1]), [0, 2, 1, 2],
+                                                                                       [0, 1])))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("sparse_crow_beyond_values", ld(3, datum([1, 2, 3], weights=tensor(1, [3, 2], csr=(f32([1]), [0, 10**9, 1, 1],
+                                                                                          [0])))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("sparse_column_out_of_range", ld(3, datum([1, 2, 3], weights=tensor(1, [3, 2], csr=(f32([1]), [0, 1, 1, 1],
+                                                                                           [2])))),
+     "data[2].loss_fn_inputs.weights", 2),
+    ("sparse_indices_as_varint", ld(3, datum([1], weights=vi(3, 1) + ld(4, _varint(1) + _varint(2)) + ld(2, vi(2, 0)))),
+     "data[2].loss_fn_inputs.weights.sparse_csr", 2),
+]
+
+
+def new_model(url: str, base_model: str) -> str:
+    """A fresh Tinker model (its seq_ids start at 1)."""
+    with raw(url) as http:
+        session_id = http.post("/create_session", json={"tags": []}).json()["session_id"]
+        return http.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": base_model,
+                                                "lora_config": {"rank": 4, "seed": 1}}).json()["model_id"]
+
+
+def client_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_malformed_protobuf_is_a_400_naming_the_field(tinker_env, tiny_llama):
+    """Each malformed body is a 400 {code invalid_input, field, datum_index}, answered fast (nothing is
+    allocated from a declared shape), on one keep-alive connection that then serves a valid request."""
+    assert len({m[0] for m in MALFORMED}) == len(MALFORMED) >= 40
+    base = fb_body(new_model(tinker_env.url, tiny_llama), 1)
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    with httpx.Client(base_url=f"{tinker_env.url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60,
+                      limits=limits) as http:
+        ports = set()
+        for what, extra, field, datum_index in MALFORMED:
+            t0 = time.perf_counter()
+            r = http.post("/forward_backward", content=base + extra, headers=PROTO)
+            assert r.status_code == 400, (what, r.status_code, r.text)
+            err = r.json()
+            assert err["code"] == "invalid_input" and field in err["field"], (what, err)
+            assert err.get("datum_index") == datum_index, (what, err)
+            assert time.perf_counter() - t0 < 5, f"{what}: {time.perf_counter() - t0:.1f} s for a refusal"
+            assert r.headers.get("connection", "") != "close", what
+            ports.add(client_port(r))
+        ok = http.post("/forward_backward", content=base, headers=PROTO)
+        assert ok.status_code == 200, ok.text
+        ports.add(client_port(ok))
+        assert len(ports) == 1, "a refusal closed the keep-alive connection"
+        done = http.post("/retrieve_future", json={"request_id": ok.json()["request_id"]})
+        assert done.status_code == 200 and done.headers["content-type"] == PROTO["Content-Type"], done.text
+
+
+def test_sparse_tensors_within_the_bounds_are_made_dense(tinker_env, tiny_llama):
+    """The SDK's own sparse [N, K] weights (soft targets) are accepted and give the dense tensor's loss."""
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    model, seq = new_model(tinker_env.url, tiny_llama), iter(range(1, 3))
+
+    tokens, k = [1, 17, 250, 4000], 3
+    targets = np.array([[17, 5, 6], [250, 7, 8], [4000, 9, 10], [12, 11, 13]], dtype=np.int64)
+    dense_w = np.zeros((4, k), dtype=np.float32)
+    dense_w[0, 0], dense_w[2, 1], dense_w[3, 2] = 1.0, 0.5, 0.25
+    sparse_w = types.TensorData(data=[1.0, 0.5, 0.25], dtype="float32", shape=[4, k],
+                                sparse_crow_indices=[0, 1, 1, 2, 3], sparse_col_indices=[0, 1, 2])
+
+    def forward(weights) -> float:
+        d = types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                        loss_fn_inputs={"target_tokens": targets, "weights": weights})
+        request = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(
+            data=[d], loss_fn="cross_entropy"), model_id=model, seq_id=next(seq))
+        with raw(tinker_env.url) as http:
+            r = http.post("/forward_backward", content=forward_backward_request_to_proto(request).SerializeToString(),
+                          headers=PROTO)
+            assert r.status_code == 200, r.text
+            done = http.post("/retrieve_future", json={"request_id": r.json()["request_id"]})
+            assert done.status_code == 200, done.text
+            return deserialize_forward_backward_output(done.content).metrics["loss:sum"]
+
+    # No optim_step between them: both see the same weights.
+    loss = forward(sparse_w)
+    assert loss != 0 and np.isclose(loss, forward(dense_w), rtol=1e-6)
+
+
+# ---- invalid text in JSON bodies, paths and queries --------------------------------------------------
+
+def text(body: dict) -> bytes:
+    """JSON text as json.dumps writes it: a lone surrogate becomes the escape \\udc80."""
+    import json
+
+    return json.dumps(body).encode()
+
+
+INVALID_TEXT = [  # (id, method, path, body, content type, status, field)
+    ("session_metadata_lone_surrogate", "POST", "/create_session", text({"tags": [], "user_metadata": {"a": "\udc80"}}),
+     "application/json", 400, "user_metadata.a"),
+    ("session_tag_lone_surrogate", "POST", "/create_session", text({"tags": ["ok", "\ud800"]}), "application/json",
+     400, "tags.1"),
+    # The 422 answer echoed the invalid input, which could not be encoded: a 500.
+    ("schema_error_holding_a_surrogate", "POST", "/create_model",
+     text({"session_id": "\udc80", "model_seq_id": "x", "base_model": 1}), "application/json", 400, "session_id"),
+    ("model_id_lone_surrogate", "POST", "/optim_step", text({"model_id": "m\udfff", "seq_id": 1, "adam_params": {}}),
+     "application/json", 400, "model_id"),
+    ("body_invalid_utf8", "POST", "/create_session", b'{"tags": ["\xff"]}', "application/json", 400, "body"),
+    ("body_invalid_utf8_as_text_plain", "POST", "/create_model", b"\xff\xfe", "text/plain", 400, "body"),
+    ("path_percent_encoded_surrogate", "GET", "/training_runs/%ED%B2%80", None, None, 404, "run_id"),
+    ("path_percent_encoded_invalid_utf8", "GET", "/sessions/%FF", None, None, 404, "session_id"),
+    ("sampler_percent_encoded_surrogate", "GET", "/samplers/%ED%A0%80", None, None, 404, "sampling_session_id"),
+    ("checkpoint_path_percent_encoded", "DELETE", "/training_runs/x/checkpoints/weights/%ED%B2%80", None, None, 404,
+     None),
+    ("query_percent_encoded_invalid_utf8", "GET", "/training_runs?limit=%FF", None, None, 422, "limit"),
+]
+
+
+@pytest.mark.parametrize("case", INVALID_TEXT, ids=[c[0] for c in INVALID_TEXT])
+def test_invalid_text_is_refused_at_the_edge(tinker_env, case):
+    _, method, path, body, content_type, status, field = case
+    headers = {"Content-Type": content_type} if content_type else {}
+    with raw(tinker_env.url) as http:
+        r = http.request(method, path, content=body, headers=headers)
+        assert r.status_code == status, r.text
+        err = r.json()
+        assert isinstance(err.get("message"), str) and err.get("code"), err
+        if field is not None:
+            assert field in err.get("field", ""), err
+        assert http.post("/create_session", json={"tags": []}).status_code == 200  # the connection serves on
+
+
+# ---- random mutations of valid protobuf bodies -------------------------------------------------------
+
+def key_positions(buf: bytes, start: int = 0, depth: int = 0) -> list[int]:
+    """Offsets of every field key in a message and, where a length-delimited value parses as a message
+    itself, in it (a heuristic walk: the targets of the wire-type mutation)."""
+    out, pos = [], 0
+    try:
+        while pos < len(buf):
+            out.append(start + pos)
+            k, pos = proto._varint(buf, pos, "body")
+            wire = k & 7
+            if wire == 0:
+                _, pos = proto._varint(buf, pos, "body")
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            elif wire == 2:
+                n, pos = proto._varint(buf, pos, "body")
+                if depth < 6:
+                    out += key_positions(buf[pos:pos + n], start + pos, depth + 1)
+                pos += n
+            else:
+                break
+    except Exception:
+        pass
+    return [p for p in out if p < start + len(buf)]
+
+
+def mutate(body: bytes, rng: random.Random, keys: list[int]) -> bytes:
+    """1-3 of: bit flip, truncation, inserted bytes, deleted bytes, duplicated slice, changed wire type."""
+    b = bytearray(body)
+    for _ in range(rng.randint(1, 3)):
+        if not b:
+            break
+        kind, p = rng.randrange(6), rng.randrange(len(b))
+        if kind == 0:
+            b[p] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            del b[rng.randrange(1, len(b) + 1):]
+        elif kind == 2:
+            b[p:p] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+        elif kind == 3:
+            del b[p:p + rng.randint(1, 4)]
+        elif kind == 4:
+            b[p:p] = b[rng.randrange(len(b)):][:rng.randint(1, 16)]
+        else:
+            k = rng.choice(keys)
+            if k < len(b):
+                b[k] = (b[k] & ~7) | rng.choice([w for w in range(8) if w != b[k] & 7])
+    return bytes(b)
+
+
+def test_random_protobuf_mutations_never_reach_a_5xx(tinker_env, tiny_llama):
+    """300 seeded mutations of two valid SDK-made bodies (dense inputs; sparse [N, K] weights with a loss
+    config): no answer is a 5xx, most are refused as 400, and the server then trains as before."""
+    model = new_model(tinker_env.url, tiny_llama)
+    tokens = [1, 17, 250, 4000, 12]
+    sparse = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={
+        "target_tokens": types.TensorData(data=list(range(2, 12)), dtype="int64", shape=[5, 2]),
+        "weights": types.TensorData(data=[1.0, 0.5], dtype="float32", shape=[5, 2],
+                                    sparse_crow_indices=[0, 1, 1, 1, 2, 2], sparse_col_indices=[0, 1])})
+    bodies = [fb_body(model, 1), forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[sparse], loss_fn="cross_entropy",
+                                                          loss_fn_config={"note": "x", "scale": 2.0}),
+        model_id=model, seq_id=1)).SerializeToString()]
+    rng = random.Random(20240610)
+    statuses: dict[int, int] = {}
+    t0 = time.perf_counter()
+    with raw(tinker_env.url) as http:
+        for i in range(300):
+            body = bodies[i % 2]
+            mutated = mutate(body, rng, key_positions(body))
+            r = http.post("/forward_backward", content=mutated, headers=PROTO)
+            assert r.status_code < 500, (i, mutated.hex(), r.text)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+    assert statuses.get(400, 0) >= 150, statuses
+    assert time.perf_counter() - t0 < 60, "the decoder is slow on malformed bodies"
+    fresh = new_model(tinker_env.url, tiny_llama)
+    with raw(tinker_env.url) as http:
+        r = http.post("/forward_backward", content=fb_body(fresh, 1), headers=PROTO)
+        assert r.status_code == 200, r.text
+        done = http.post("/retrieve_future", json={"request_id": r.json()["request_id"]})
+        assert done.status_code == 200 and done.headers["content-type"] == PROTO["Content-Type"], done.text

@@ -9,27 +9,33 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import Match, Mount
 
 from whitney.engine import DEFAULT_MODEL, Engine
-from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
-from whitney.service import schemas, tinker
-from whitney.service.deps import ServiceState, Unauthorized
+from whitney.engine.checkpoint import remove_leftovers
+from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge
+from whitney.service import handlers, schemas, tinker
+from whitney.service.deps import ServiceState, Unauthorized, served_name
+from whitney.service.keys import KeyGate, KeyLimits, KeyRing
+from whitney.service.limits import Limits
+from whitney.service.quotas import QuotaExceeded, Quotas
 from whitney.service.routes import capabilities, checkpoints, operations, sampling, sessions
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store
+from whitney.service.text import TextCheck
 
 log = logging.getLogger("whitney.service")
-STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, Conflict: 409}
+STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429}
 # What the error handlers below answer, so the OpenAPI document shows the real error body (not FastAPI's default).
 ERRORS = {status: {"model": schemas.Error, "description": text} for status, text in (
     (400, "invalid input (code invalid_input)"), (401, "missing or unknown API key (code unauthorized)"),
     (404, "no such session, run, operation, checkpoint or sampler version (code not_found)"),
     (409, "valid alone, but clashes with the state (code conflict)"),
-    (413, "body over max_request_bytes (code too_large)"), (422, "not the request schema (code invalid_request)"))}
+    (413, "over a stated limit: body bytes, datums or tokens per request, metadata bytes, stop "
+          "sequences (code too_large)"), (422, "not the request schema (code invalid_request)"),
+    (429, "over a per-key quota; Retry-After says when to try again (code quota_exceeded)"))}
 
 
 @dataclass
@@ -38,13 +44,16 @@ class ServiceConfig:
     data_dir: Path = Path("~/.local/share/whitney").expanduser()
     db_url: str | None = None  # default: sqlite:///<data_dir>/whitney.db
     api_keys: list[str] = field(default_factory=list)
-    max_request_bytes: int = 64 * 2**20
-    max_batch_tokens: int = 16384
+    limits: Limits = field(default_factory=Limits)  # per request, and the worker's micro-batch budget
     session_timeout: float = 600.0
     max_lora_rank: int = 128
     max_sequences: int = 256  # sampling: concurrent sequences per base model (more wait in a queue)
     max_cached_tokens: int = 262_144  # sampling: KV-cache tokens per base model
     compute_dtype: str = "float32"  # base weights and activations: "float32" or "bfloat16"
+    # API keys and per-key quotas (keys.py, quotas.py): keys are required when api_keys is given, require_keys
+    # is set or the database holds a key; key_limits are the server's defaults, a key's own limits override them.
+    require_keys: bool = False
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
 
 
 def create_app(config: ServiceConfig, engine: Engine | None = None, worker_thread: bool = True) -> FastAPI:
@@ -57,12 +66,21 @@ def create_app(config: ServiceConfig, engine: Engine | None = None, worker_threa
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}")
     store.recover_after_restart()
+    remove_leftovers(data_dir / "packages")  # half-written checkpoints of a killed process
     engine = engine or Engine(max_lora_rank=config.max_lora_rank, max_sequences=config.max_sequences,
                               max_cached_tokens=config.max_cached_tokens,
+                              max_prefill_tokens=config.limits.max_batch_tokens,
                               compute_dtype=config.compute_dtype)
     for name in config.models:
         engine.load_model(name)
-    scheduler = Scheduler(engine, store, data_dir, config.max_batch_tokens, config.session_timeout)
+    # A model served from a directory goes by the directory's name, so no route shows a server path; the
+    # path as given still names it. The engine holds the one loaded model under both names.
+    shown = [served_name(name) for name in config.models]
+    if len(set(shown)) < len(shown):
+        raise ValueError(f"two models would be served under one name: {shown}")
+    for name, public in zip(config.models, shown):
+        engine.models.setdefault(public, engine.models[name])
+    scheduler = Scheduler(engine, store, data_dir, config.limits.max_batch_tokens, config.session_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,39 +91,24 @@ def create_app(config: ServiceConfig, engine: Engine | None = None, worker_threa
 
     app = FastAPI(title="Whitney", version="0.1.0", lifespan=lifespan,
                   description="Fine-tuning through training primitives: many LoRA runs on one base model.")
-    app.state.whitney = ServiceState(store, scheduler, list(config.models), list(config.api_keys), data_dir,
-                                     config.max_request_bytes)
+    keys = KeyRing(store, list(config.api_keys), config.require_keys)
+    app.state.whitney = ServiceState(store, scheduler, shown, keys, data_dir,
+                                     config.limits.max_request_bytes, config.limits,
+                                     Quotas(store, keys, config.key_limits, engine),
+                                     {name: public for name, public in zip(config.models, shown) if name != public})
     for module in (capabilities, sessions, operations, sampling, checkpoints):
         app.include_router(module.router, responses=ERRORS)
+    app.include_router(capabilities.health, responses=ERRORS)  # GET /healthz, the one route open without a key
     # The Tinker SDK's protocol, over the same state (store, scheduler, engine).
     app.mount("/api/v1", tinker.create_tinker_app(app.state.whitney))
+    schemas.exact_integer_bounds(app)  # /openapi.json: 2**63 as an integer, not 9.223372036854776e+18
 
-    app.add_middleware(BodyLimit, limit=config.max_request_bytes)
+    app.add_middleware(TextCheck)  # inside BodyLimit: it reads bodies BodyLimit has bounded
+    app.add_middleware(BodyLimit, limit=config.limits.max_request_bytes)
+    app.add_middleware(AllowedMethods)  # OPTIONS, and Allow on a 405
+    app.add_middleware(KeyGate, keys=keys)  # outermost: with keys on, nothing but /healthz answers without one
 
-    @app.exception_handler(WhitneyError)
-    async def domain_error(request: Request, exc: WhitneyError):
-        return JSONResponse(status_code=STATUS.get(type(exc), 400), content=exc.to_dict())
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        # Starlette's own errors (no such path, wrong method, an unparsable body) in the same shape as ours.
-        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(status_code=exc.status_code, headers=getattr(exc, "headers", None),
-                            content={"code": code, "message": str(exc.detail)})
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        # An unparsable body's loc ends in a character offset, which names no field.
-        loc = [] if first.get("type") == "json_invalid" else [str(p) for p in first.get("loc", ()) if p != "body"]
-        datum = int(loc[loc.index("data") + 1]) if "data" in loc and len(loc) > loc.index("data") + 1 \
-            and loc[loc.index("data") + 1].isdigit() else None
-        body = {"code": "invalid_request", "field": ".".join(loc) or "body",
-                "message": f"{'.'.join(loc) or 'body'}: {first.get('msg')}", "errors": _plain(exc.errors())}
-        if datum is not None:
-            body["datum_index"] = datum
-        return JSONResponse(status_code=422, content=body)
-
+    handlers.install(app, STATUS)
     return app
 
 
@@ -151,9 +154,43 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def _plain(errors: list[dict]) -> list[dict]:
-    return [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
-            for e in errors[:20]]
+class AllowedMethods:
+    """`OPTIONS` on a path answers 204 with `Allow` naming every method of the path, and a 405 carries the same
+    `Allow` (Starlette's names only the first route's methods where a path has several, as GET and DELETE)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        methods = path_methods(scope["app"].routes, scope) if scope["type"] == "http" else set()
+        if not methods:  # not HTTP, or no such path (the app's 404)
+            return await self.app(scope, receive, send)
+        allow = ", ".join(sorted(methods | {"OPTIONS"}))
+        if scope["method"] == "OPTIONS":
+            return await Response(status_code=204, headers={"Allow": allow})(scope, receive, send)
+
+        async def send_allow(message):
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"allow"]
+                message = {**message, "headers": [*headers, (b"allow", allow.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_allow)
+
+
+def path_methods(routes, scope) -> set[str]:
+    """Every method the app answers at the request's path: each is tried on the routes as the router would
+    match it, through mounted apps (the Tinker one) too. HEAD only where a route answers it (FastAPI's GET
+    routes do not)."""
+    return {m for m in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT") if _answers(routes, {**scope, "method": m})}
+
+
+def _answers(routes, scope) -> bool:
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is Match.FULL and (not isinstance(route, Mount) or _answers(route.routes, {**scope, **child})):
+            return True
+    return False
 
 
 @dataclass

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from whitney.errors import WhitneyError
+from whitney.service.keys import KeyRing, Unauthorized, owner_of_key, presented_key  # noqa: F401 (re-exported)
+from whitney.service.limits import Limits
+from whitney.service.quotas import Quotas
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store
-
-
-class Unauthorized(WhitneyError):
-    code = "unauthorized"
 
 
 @dataclass
@@ -24,37 +21,37 @@ class ServiceState:
 
     store: Store
     scheduler: Scheduler
-    models: list[str]  # base-model names served, the first is the default
-    api_keys: list[str]  # empty: no authentication
+    models: list[str]  # base-model names served, the first is the default (a local directory by its name)
+    keys: KeyRing
     data_dir: Path
     max_request_bytes: int
+    limits: Limits  # what one request may ask for (whitney.service.limits)
+    quotas: Quotas  # what one key may hold (whitney.service.quotas)
+    # A model served from a directory is named by the directory's name; the path as given to the server is
+    # accepted too (it names the same model), but never shown.
+    model_aliases: dict[str, str] = field(default_factory=dict)
+
+    def serves(self, base_model: str | None) -> bool:
+        return base_model in self.models or base_model in self.model_aliases
+
+
+def served_name(model: str) -> str:
+    """The name a model is shown under: a local directory's own name (no server path), else the name given."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
 
 
 def state(request: Request) -> ServiceState:
     return request.app.state.whitney
 
 
-def owner_of_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
 def owner(request: Request, authorization: Annotated[str | None, Header()] = None,
           x_api_key: Annotated[str | None, Header()] = None) -> str:
-    """The caller's identity: a digest of its API key ('' when the server has no keys).
+    """The caller's identity: a digest of its API key ('' when the server requires no keys).
 
     Native clients send `Authorization: Bearer <key>`; Tinker's SDK sends `X-API-Key`.
     """
-    st = state(request)
-    key = None
-    if authorization and authorization.lower().startswith("bearer "):
-        key = authorization[7:].strip()
-    elif x_api_key:
-        key = x_api_key
-    if not st.api_keys:
-        return ""
-    if key is None or key not in st.api_keys:
-        raise Unauthorized("a valid API key is required (Authorization: Bearer <key>)", field="authorization")
-    return owner_of_key(key)
+    return state(request).keys.owner(presented_key(authorization, x_api_key))
 
 
 State = Annotated[ServiceState, Depends(state)]

@@ -1,16 +1,59 @@
-"""Wire models of the native API. `extra="forbid"` everywhere: an unknown field is a 422, never dropped."""
+"""Wire models of the native API. `extra="forbid"` everywhere: an unknown field is a 422, never dropped.
+
+Request bodies are strict: a JSON `true` is not the integer 1, `"0"` is not 0, and a boolean is no
+number (an integer is still a float). Every rule the server can state without knowing the model (ranges,
+non-empty lists) is a Field constraint, so /openapi.json shows it and a breach is a 422 naming the field;
+the model-dependent rules (vocabulary, context, max rank) stay with the engine's checks (400).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Wire(BaseModel):
-    """A request body: unknown fields are refused."""
+    """A request body: unknown fields are refused, and no value is coerced to another JSON type."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# A 64-bit SQL integer is below 2**63: an exclusive bound, since 2**63 is exact as a float (FastAPI's OpenAPI
+# model holds bounds as floats, where 2**63 - 1 would round up) and exact_integer_bounds writes it back as an integer.
+INT64_LIMIT = 2**63
+SeqId = Annotated[int, Field(ge=0, lt=INT64_LIMIT, description="the operation's place in the run")]
+Seed = Annotated[int, Field(ge=0, lt=INT64_LIMIT)]
+Rank = Annotated[int, Field(ge=1)]  # at most the server's max_lora_rank (capabilities): checked by the engine
+TokenId = Annotated[int, Field(ge=0)]  # below the vocabulary size: checked against the model (400)
+Tokens = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def exact_integer_bounds(app) -> None:
+    """Make `app.openapi()` write the bounds of integer fields as JSON integers (`0`, `9223372036854775808`),
+    not as the floats FastAPI's OpenAPI model turns them into (`0.0`, `9.223372036854776e+18`)."""
+    generate = app.openapi
+
+    def fix(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                    if isinstance(node.get(key), float) and node[key].is_integer():
+                        node[key] = int(node[key])
+            for value in node.values():
+                fix(value)
+        elif isinstance(node, list):
+            for value in node:
+                fix(value)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            fix(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 class Out(BaseModel):
@@ -27,6 +70,8 @@ class Error(Out):
     field: str | None = None
     datum_index: int | None = None
     errors: list[dict[str, Any]] | None = None  # 422 only: each schema violation (loc, msg, type)
+    limit: int | None = None  # 429 only: the key's limit that was reached (field names it)
+    usage: int | None = None  # 429 only: what the key holds against it
 
 
 # ---- sessions and runs ---------------------------------------------------------------------
@@ -44,9 +89,9 @@ class Session(Out):
 
 
 class LoraSpec(Wire):
-    rank: int = 32
-    alpha: float = 32.0
-    seed: int = 0
+    rank: Rank = 32
+    alpha: float = Field(32.0, gt=0)
+    seed: Seed = 0
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
@@ -82,12 +127,12 @@ class Run(Out):
 
 class TensorData(Wire):
     dtype: Literal["int64", "int32", "float32", "float64"]
-    shape: list[int] | None = None
+    shape: list[Annotated[int, Field(ge=0)]] | None = None
     values: list[float] | list[int]
 
 
 class ModelInput(Wire):
-    token_ids: list[StrictInt] | list[list[StrictInt]]  # strict: true is not token 1
+    token_ids: Tokens | Annotated[list[Tokens], Field(min_length=1)]  # flat, or chunks concatenated
 
 
 class WireDatum(Wire):
@@ -98,54 +143,56 @@ class WireDatum(Wire):
 class ForwardPayload(Wire):
     """The seed's ForwardPayload: datums, a loss name and its config."""
 
-    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
+    seq_id: SeqId
     data: list[WireDatum] = Field(min_length=1)
     loss_function: str = "cross_entropy"
     loss_config: dict[str, Any] = Field(default_factory=dict)
 
 
 class AdamSpec(Wire):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    gradient_clip_norm: float = 0.0
-    lora_plus_ratio: float = 1.0
-    gradient_scale: float = 1.0
+    """The ranges of engine.optim.AdamParams.validate (which also refuses infinities)."""
+
+    learning_rate: float = Field(1e-4, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    gradient_clip_norm: float = Field(0.0, ge=0, description="0: no clipping")
+    lora_plus_ratio: float = Field(1.0, gt=0)
+    gradient_scale: float = Field(1.0, gt=0)
 
 
 class OptimStep(Wire):
-    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
+    seq_id: SeqId
     adam_params: AdamSpec = Field(default_factory=AdamSpec)
 
 
 class SaveState(Wire):
-    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
+    seq_id: SeqId
     name: str = Field(default="state", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
     include_optimizer: bool = True
 
 
 class LoadState(Wire):
-    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
+    seq_id: SeqId
     checkpoint_id: str
 
 
 class SaveWeights(Wire):
-    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
+    seq_id: SeqId
     name: str = Field(default="weights", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
     merge: bool = False
 
 
 class ExportLora(Wire):
-    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
+    seq_id: SeqId
     name: str = Field(default="lora", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
 
 
 class SaveForSampler(Wire):
     """The version number the result carries is the sampler version's name."""
 
-    seq_id: int = Field(ge=0, lt=2**63)  # a 64-bit SQL integer
+    seq_id: SeqId
 
 
 class Operation(Out):
@@ -173,20 +220,22 @@ class WeightsRef(Wire):
 
 
 class SampleRequest(WeightsRef):
-    prompt: list[StrictInt]
-    num_samples: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str | int | list[int]] | None = None
+    """The ranges of engine.sampler.validate; the model-dependent ones (vocabulary, context) stay there."""
+
+    prompt: Tokens
+    num_samples: int = Field(1, ge=1)  # at most the server's max_concurrent_sequences
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, description="0: greedy")
+    top_k: int = Field(-1, ge=-1, description="-1: off")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: Seed | None = None
+    stop: list[Annotated[str, Field(min_length=1)] | TokenId | Tokens] | None = None
     prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
+    topk_prompt_logprobs: int = Field(0, ge=0, le=100)  # engine.sampler.MAX_TOPK_PROMPT_LOGPROBS
 
 
 class LogprobsRequest(WeightsRef):
-    sequences: list[list[StrictInt]] = Field(min_length=1)
+    sequences: list[Tokens] = Field(min_length=1)
 
 
 # ---- model packages ------------------------------------------------------------------------

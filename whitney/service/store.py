@@ -15,12 +15,13 @@ import time
 import uuid
 from contextlib import contextmanager
 
-from sqlalchemy import (JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine,
-                        event, select)
+from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint,
+                        create_engine, event, func, select)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from whitney.errors import Conflict, NotFound
+from whitney.service.text import loads as read_json
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 RUN_TERMINAL = ("finished", "cancelled", "failed", "interrupted")
@@ -92,6 +93,22 @@ class PackageRow(Base):
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class KeyRow(Base):
+    __tablename__ = "api_keys"
+    # Only the key's sha256 is kept (unique: the lookup of every request); the key is shown once, at creation.
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The key's own limits: NULL is the server's default, 0 unlimited (whitney.service.keys.LIMITS).
+    max_sessions: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_runs: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_queued_operations: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
 def _row_dict(row) -> dict:
     return {c.name: getattr(row, c.name) for c in row.__table__.columns}
 
@@ -105,7 +122,8 @@ class Store:
 
     def __init__(self, url: str):
         args = {"check_same_thread": False, "timeout": 30} if url.startswith("sqlite") else {}
-        self.engine = create_engine(url, connect_args=args)
+        # JSON columns are read with read_json: a row stored with a lone surrogate reads back as U+FFFD.
+        self.engine = create_engine(url, connect_args=args, json_deserializer=read_json)
         if url.startswith("sqlite"):
             @event.listens_for(self.engine, "connect")
             def _pragmas(conn, _):  # WAL: pollers read while the scheduler writes
@@ -275,7 +293,8 @@ class Store:
         with self.tx() as db:
             for row in db.scalars(select(OperationRow).where(OperationRow.status.in_(("queued", "running")))):
                 row.status, row.finished_at = "failed", time.time()
-                row.error = {"code": "server_restarted", "message": "server restarted before this operation ran"}
+                row.error = {"code": "server_restarted", "message": "server restarted before this operation ran",
+                             "category": "server"}
             for row in db.scalars(select(RunRow).where(RunRow.status.notin_(RUN_TERMINAL))):
                 row.status = "interrupted"
                 row.error = "server restarted; resume from the newest checkpoint with a new run"
@@ -317,6 +336,57 @@ class Store:
                 raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
             row.deleted = True
             return _row_dict(row)
+
+    # ---- API keys and what each owner holds ---------------------------------------------------
+
+    def create_key(self, digest: str, name: str | None, limits: dict) -> dict:
+        row = KeyRow(id=new_id("key"), digest=digest, name=name, created_at=time.time(), **limits)
+        with self.tx() as db:
+            db.add(row)
+        return _row_dict(row)
+
+    def list_keys(self) -> list[dict]:
+        with self.tx() as db:
+            return [_row_dict(r) for r in db.scalars(select(KeyRow).order_by(KeyRow.created_at))]
+
+    def find_key(self, digest: str) -> dict | None:
+        """The key with this digest, revoked or not."""
+        with self.tx() as db:
+            row = db.scalars(select(KeyRow).where(KeyRow.digest == digest)).first()
+            return _row_dict(row) if row is not None else None
+
+    def has_keys(self) -> bool:
+        """Whether any key was ever created (a revoked one too: revoking the last key never opens the server)."""
+        with self.tx() as db:
+            return db.scalars(select(KeyRow.id).limit(1)).first() is not None
+
+    def revoke_key(self, key_id: str) -> dict:
+        """Revoke a key (again: no change, the first revocation time stays)."""
+        with self.tx() as db:
+            row = db.get(KeyRow, key_id)
+            if row is None:
+                raise NotFound(f"key {key_id!r} does not exist", field="key_id")
+            row.revoked_at = row.revoked_at or time.time()
+            return _row_dict(row)
+
+    def usage(self, owner: str) -> dict:
+        """What an owner holds now: active sessions, live runs (base model and LoRA config each) and
+        operations queued or running. Closed, expired, finished, cancelled or failed ones hold nothing."""
+        with self.tx() as db:
+            sessions = db.scalar(select(func.count()).select_from(SessionRow).where(
+                SessionRow.owner == owner, SessionRow.status == "active"))
+            runs = db.execute(select(RunRow.base_model, RunRow.lora).where(
+                RunRow.owner == owner, RunRow.status.notin_(RUN_TERMINAL))).all()
+            operations = db.scalar(select(func.count()).select_from(OperationRow).where(
+                OperationRow.owner == owner, OperationRow.status.in_(("queued", "running"))))
+            return {"sessions": sessions, "runs": [(b, lora) for b, lora in runs], "operations": operations}
+
+    def queued_after(self, run_id: str, seq_id: int) -> bool:
+        """Whether a later seq_id of the run is queued already (it waits for this one)."""
+        with self.tx() as db:
+            return db.scalars(select(OperationRow.id).where(
+                OperationRow.run_id == run_id, OperationRow.seq_id > seq_id,
+                OperationRow.status == "queued").limit(1)).first() is not None
 
 
 def digest(body: dict) -> str:

@@ -1,14 +1,17 @@
-"""What this server offers: models, operations, losses, limits, features."""
+"""What this server offers: models, operations, losses, limits, features; the caller's quota; a health check."""
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 from fastapi import APIRouter
 
 from whitney.engine import LOSS_CONFIG_KEYS
-from whitney.service.deps import State
+from whitney.service.deps import Owner, State
 from whitney.service.scheduler import TRAINING_KINDS
 
 router = APIRouter(prefix="/v1", tags=["capabilities"])
+health = APIRouter(tags=["health"])
 
 
 @router.get("/training/capabilities")
@@ -27,10 +30,21 @@ def capabilities(st: State) -> dict:
         "operations": [*TRAINING_KINDS, "sample", "compute_logprobs"],
         "loss_functions": {name: list(keys) for name, keys in LOSS_CONFIG_KEYS.items()},
         "limits": {
-            "max_request_bytes": st.max_request_bytes,
-            "max_batch_tokens": st.scheduler.max_batch_tokens,
+            **st.limits.as_dict(),
             "max_concurrent_sequences": engine.max_sequences,
             "max_cached_tokens": engine.max_cached_tokens,
         },
         "features": {"gradient_scale_v1": True, "lora_plus": True, "soft_targets": True, "opsd": True},
     }
+
+
+@router.get("/quota")
+def quota(st: State, who: Owner) -> dict:
+    """The caller's per-key limits (0: unlimited) and what it holds against each now (max_runs: runs...)."""
+    return {"limits": asdict(st.quotas.limits(who)), "usage": st.quotas.usage(who)}
+
+
+@health.get("/healthz")
+def healthz() -> dict:
+    """Answers without an API key, and says nothing else."""
+    return {"status": "ok"}

@@ -8,7 +8,8 @@ from whitney.engine import ForwardRequest
 from whitney.errors import Conflict, InvalidInput
 from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
-from whitney.service.scheduler import build_datums
+from whitney.service.limits import check_operation
+from whitney.service.scheduler import build_datums, datum_length
 from whitney.service.store import TERMINAL, digest
 
 router = APIRouter(prefix="/v1", tags=["operations"])
@@ -18,6 +19,7 @@ MAX_WAIT = 30.0
 def submit(st: ServiceState, who: str, run_id: str, kind: str, body: schemas.Wire, payload: dict) -> dict:
     """Record (run, seq_id) in the store (a retry with the same body returns the same operation) and queue it."""
     active_run(st, who, run_id, body.seq_id)
+    st.quotas.admit_operation(who, run_id, body.seq_id, payload.get("tokens", 0))  # 429 over the key's quota
     op, created = st.store.submit_operation(who, run_id, body.seq_id, kind,
                                             digest({"kind": kind, **body.model_dump()}))
     if created:
@@ -39,6 +41,7 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     if run["status"] != "active":  # a retry of a seq_id the ended run has: its operation, though the adapter is gone
         return submit(st, who, run_id, kind, body, {})
     data = build_datums([d.model_dump() for d in body.data])
+    check_operation(st.limits, [datum_length(d) for d in data])  # before the engine looks at any of it
     request = ForwardRequest(run_id, data, body.loss_function, body.loss_config, run["base_model"])
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
     try:

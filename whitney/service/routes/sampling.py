@@ -8,6 +8,7 @@ from whitney.engine.sampler import SamplingParams, validate
 from whitney.errors import InvalidInput, NotFound
 from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.limits import check_operation, check_stops
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -41,7 +42,7 @@ def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[dict, 
                                "state or sampler version", field="checkpoint_id")
         return {"checkpoint_path": package["path"]}, package["base_model"]
     base_model = ref.base_model or st.models[0]
-    if base_model not in st.models:
+    if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
     return {"base_model": base_model}, base_model
 
@@ -61,9 +62,11 @@ def sample(body: schemas.SampleRequest, st: State, who: Owner):
 def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: list[int],
                  params: SamplingParams) -> dict:
     """Validate and queue one sampling operation; shared with the Tinker routes."""
+    check_stops(st.limits, params.stop)
     weights, base_model = resolve(st, who, ref)
     engine = st.scheduler.engine
     validate(prompt, params, engine.models[base_model], engine.max_sequences)  # a 400 now, not a failure later
+    st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
     op, _ = st.store.submit_operation(who, None, None, "sample", "")
     st.scheduler.submit_sample(op, prompt, params, weights)
     return op
@@ -72,12 +75,14 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
 @router.post("/logprobs", response_model=schemas.Operation, status_code=202)
 def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
     """Per-token log-probs of given sequences (the first position has none)."""
+    check_operation(st.limits, [len(s) for s in body.sequences], field="sequences")
     weights, base_model = resolve(st, who, body)
     config = st.scheduler.engine.models[base_model].config
     for i, seq in enumerate(body.sequences):
         if not seq or len(seq) > config.max_context or not all(0 <= t < config.vocab_size for t in seq):
             raise InvalidInput(f"sequence {i} must hold 1 to {config.max_context} token ids in "
                                f"[0, {config.vocab_size})", field="sequences", datum_index=i)
+    st.quotas.admit_operation(who, None, None, sum(len(s) for s in body.sequences))  # 429 over the key's quota
     op, _ = st.store.submit_operation(who, None, None, "compute_logprobs", "")
     st.scheduler.submit_logprobs(op, body.sequences, weights)
     return op

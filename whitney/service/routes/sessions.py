@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from whitney.errors import Conflict, InvalidInput
 from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.limits import check_metadata
 from whitney.service.store import new_id
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
@@ -16,6 +17,8 @@ router = APIRouter(prefix="/v1", tags=["sessions"])
 
 @router.post("/sessions", response_model=schemas.Session, status_code=201)
 def create_session(body: schemas.SessionCreate, st: State, who: Owner):
+    check_metadata(st.limits, body.user_metadata)
+    st.quotas.check_session(who)
     return st.store.create_session(who, body.user_metadata)
 
 
@@ -55,6 +58,7 @@ async def create_run(session_id: str, body: schemas.RunCreate, st: State, who: O
 async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.RunCreate,
                    run_id: str | None = None) -> dict:
     """Create a run (adapter in the engine first, then the row); shared with the Tinker routes."""
+    check_metadata(st.limits, body.user_metadata)
     session = st.store.get_session(session_id, who)
     if session["status"] != "active":
         raise Conflict(f"session {session_id!r} is {session['status']}", field="session_id")
@@ -72,8 +76,9 @@ async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.Ru
             lora = st.store.get_run(package["run_id"])["lora"]
         resume_path = package["path"]
     base_model = base_model or st.models[0]
-    if base_model not in st.models:
+    if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
+    st.quotas.check_run(who, base_model, lora)  # the key's live runs and their adapters' memory
     run = {"id": run_id or new_id("run"), "base_model": base_model, "lora": lora,
            "resume_with_optimizer": bool(body.resume_from and body.resume_from.with_optimizer)}
     # The engine validates the LoRA config against the model; only then is the run recorded.

@@ -9,16 +9,28 @@ One router per resource: session (setup and life), training, sampling, futures, 
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
-from whitney.errors import InvalidInput, NotFound, WhitneyError
+from whitney.errors import InvalidInput, NotFound, TooLarge
+from whitney.service import handlers, schemas
 from whitney.service.deps import ServiceState, Unauthorized
+from whitney.service.quotas import QuotaExceeded
 from whitney.service.tinker import futures, runs, sampling, session, training
 from whitney.service.tinker.common import TinkerState
 
 # The SDK retries 408, 409, 429 and 5xx, so a clash with the state (a native 409) is a 400 here.
-STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404}
+STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, TooLarge: 413, QuotaExceeded: 429}
+# What the handlers below (and the native app's body limit, which wraps this app) answer, so the OpenAPI
+# document shows the real error body. A refusal of a call that holds a seq_id is a failed future instead
+# (see training.py). 408 (retrieve_future: not done yet) and 410 (session_heartbeat: the session has ended)
+# are declared on their routes.
+ERRORS = {status: {"model": schemas.Error, "description": text} for status, text in (
+    (400, "invalid input, or a clash with the state (code invalid_input, conflict)"),
+    (401, "missing or unknown API key (code unauthorized)"),
+    (404, "no such session, model, sampler, future or checkpoint (code not_found)"),
+    (413, "over a stated limit: body bytes, datums or tokens per request, metadata bytes (code too_large)"),
+    (422, "not the request schema (code invalid_request)"),
+    (429, "over a per-key quota; Retry-After says when to try again (code quota_exceeded)"))}
 
 
 def create_tinker_app(state: ServiceState) -> FastAPI:
@@ -27,12 +39,10 @@ def create_tinker_app(state: ServiceState) -> FastAPI:
     app.state.whitney = state
     app.state.tinker = TinkerState()
     for module in (session, training, sampling, futures, runs):
-        app.include_router(module.router)
+        app.include_router(module.router, responses=ERRORS)
+    schemas.exact_integer_bounds(app)
 
-    @app.exception_handler(WhitneyError)
-    async def domain_error(request: Request, exc: WhitneyError):
-        return JSONResponse(status_code=STATUS.get(type(exc), 400), content=exc.to_dict())
-
+    handlers.install(app, STATUS)
     return app
 
 

@@ -30,9 +30,10 @@ CHECKPOINT_TYPE = {"state": "training", "sampler": "sampler"}
 
 
 class TinkerBody(BaseModel):
-    """A Tinker request body: newer SDKs add fields, so unknown ones are accepted (and ignored)."""
+    """A Tinker request body: newer SDKs add fields, so unknown ones are accepted (and ignored). Known ones are
+    strict, as on the native API: `true` is not the integer 1, `"0"` is not 0 (an integer is still a float)."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", strict=True, protected_namespaces=())
 
 
 @dataclass
@@ -114,7 +115,7 @@ def sampler_ref(st: ServiceState, sampler: Sampler) -> schemas.WeightsRef:
 
 
 def served(st: ServiceState, base_model: str | None) -> str:
-    if base_model is None or base_model not in st.models:
+    if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
     return base_model
 

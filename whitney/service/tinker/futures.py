@@ -25,7 +25,14 @@ class FutureRef(TinkerBody):
     allow_metadata_only: bool = False  # results are always sent whole
 
 
-@router.post("/retrieve_future")
+@router.post("/retrieve_future", responses={
+    200: {"description": "the result: protobuf for forward, forward_backward and sample, JSON otherwise (a "
+                         "failed operation too: {error, category})",
+          "content": {"application/json": {}, PROTOBUF: {"schema": {"type": "string", "format": "binary"}}}},
+    408: {"description": "not done yet: poll again", "content": {"application/json": {"schema": {
+        "type": "object", "required": ["type", "request_id"], "properties": {
+            "type": {"type": "string", "enum": ["try_again"]}, "request_id": {"type": "string"},
+            "queue_state": {"type": "string"}}}}}}})
 async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
     op = st.store.get_operation(body.request_id, who)
     if op["status"] not in TERMINAL:

@@ -9,7 +9,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from whitney.errors import Conflict
+from whitney.service import schemas
 from whitney.service.deps import Owner, State
+from whitney.service.limits import check_metadata
 from whitney.service.tinker.common import Tinker, TinkerBody
 
 router = APIRouter()
@@ -49,6 +51,8 @@ class CreateSession(TinkerBody):
 @router.post("/create_session")
 def create_session(body: CreateSession, st: State, who: Owner) -> dict:
     """A native session with the caller's user_metadata (tags, project and display name are not kept)."""
+    check_metadata(st.limits, body.user_metadata)
+    st.quotas.check_session(who)
     session = st.store.create_session(who, dict(body.user_metadata or {}))
     return {"type": "create_session", "session_id": session["id"]}
 
@@ -57,7 +61,8 @@ class SessionRef(TinkerBody):
     session_id: str
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", responses={410: {"model": schemas.Error, "description": "the session has ended "
+                                                     "(code conflict): the SDK stops heartbeating"}})
 def session_heartbeat(body: SessionRef, st: State, who: Owner):
     """410 once the session has ended: the SDK then stops its heartbeat loop."""
     try:

@@ -19,7 +19,8 @@ from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.routes.operations import active_run
 from whitney.service.routes.sessions import open_run
-from whitney.service.scheduler import build_datums
+from whitney.service.limits import check_operation
+from whitney.service.scheduler import build_datums, datum_length
 from whitney.service.store import digest
 from whitney.service.tinker import proto
 from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, model_id, native_seq,
@@ -45,6 +46,7 @@ def submit(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body
     """Record (run, native seq_id) and queue it; a resend with the same body is the same operation."""
     seq = native_seq(seq_id)
     active_run(st, who, run_id, seq)
+    st.quotas.admit_operation(who, run_id, seq, payload.get("tokens", 0))  # 429 over the key's quota
     op, created = st.store.submit_operation(who, run_id, seq, kind, digest({"kind": kind, "body": body_digest}))
     if created:
         st.scheduler.submit(op, payload)
@@ -54,8 +56,8 @@ def submit(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body
 # ---- models --------------------------------------------------------------------------------
 
 class LoraConfig(TinkerBody):
-    rank: int = 32
-    seed: int | None = None
+    rank: schemas.Rank = 32  # the native LoraSpec's rules: it is built from this one
+    seed: schemas.Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -124,8 +126,9 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
     req = proto.decode_forward_backward(raw)
     kind = "forward" if req.forward_only else "forward_backward"
     data = build_datums(req.data)
+    tokens = check_operation(st.limits, [datum_length(d) for d in data])
     payload = {"data": data, "loss_fn": req.loss_fn, "loss_config": loss_config(req.loss_fn, req.loss_fn_config),
-               "tokens": sum(len(d["input"]["token_ids"]) for d in req.data)}
+               "tokens": tokens}
     op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), payload)
     return future(op, model_id=req.model_id)
 

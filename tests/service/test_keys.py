@@ -1,0 +1,347 @@
+"""API keys and per-key quotas against a real server: each limit answers 429 + Retry-After and admits again
+once usage drops; a key's own limits override the server's; `whitney keys` works on a running server's
+database; only digests are stored; every route but /healthz needs a key; finished runs give memory back."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.service.test_flow import ADAM, expect, sft_batch, succeeded
+from whitney import cli
+from whitney.service import quotas, schemas
+from whitney.service.keys import KeyLimits
+
+LORA = {"rank": 4, "alpha": 8.0, "seed": 0}
+KEY = "k-config"
+
+
+def keys_cli(capsys, server, *args: str) -> str:
+    """`whitney keys ...` in this process, against the server's own SQLite file; its stdout."""
+    capsys.readouterr()
+    assert cli.main(["keys", *args, "--data-dir", str(server.config.data_dir)]) == 0
+    return capsys.readouterr().out
+
+
+def create_key(capsys, server, *args: str) -> str:
+    return keys_cli(capsys, server, "create", *args).strip()
+
+
+def quota_error(response, field: str, limit: int) -> dict:
+    """A 429 with a Retry-After of whole seconds, and the error body naming the limit."""
+    assert response.status_code == 429, response.text
+    retry_after = int(response.headers["Retry-After"])
+    assert 1 <= retry_after <= 60
+    body = response.json()
+    assert body["code"] == "quota_exceeded" and body["field"] == field and body["limit"] == limit, body
+    assert str(limit) in body["message"]
+    assert set(body) <= set(schemas.Error.model_fields), body  # the body the OpenAPI document shows
+    return body
+
+
+def session(http) -> str:
+    return expect(http.post("/v1/sessions", json={}), 201)["id"]
+
+
+def new_run(http, sid: str, **lora) -> str:
+    return expect(http.post(f"/v1/sessions/{sid}/runs", json={"lora": {**LORA, **lora}}), 201)["id"]
+
+
+def fb(http, run: str, seq: int, examples=None):
+    body = {"seq_id": seq, "data": sft_batch(examples) if examples else sft_batch()}
+    return http.post(f"/v1/runs/{run}/forward_backward", json=body)
+
+
+# ---- each quota --------------------------------------------------------------------------------------------
+
+def test_live_sessions(make_server):
+    server = make_server(api_keys=[KEY], key_limits=KeyLimits(max_sessions=2))
+    with server.http(KEY) as http:
+        first, _ = session(http), session(http)
+        body = quota_error(http.post("/v1/sessions", json={}), "max_sessions", 2)
+        assert body["usage"] == 2 and "holds 2" in body["message"]
+        assert len(expect(http.get("/v1/sessions"), 200)) == 2  # the refused request created nothing
+        # The Tinker sub-app answers the same way (the SDK retries a 429 after Retry-After).
+        r = http.post("/api/v1/create_session", json={"tags": []}, headers={"X-API-Key": KEY})
+        quota_error(r, "max_sessions", 2)
+        expect(http.post(f"/v1/sessions/{first}/close"), 200)  # a closed session no longer counts
+        session(http)
+
+
+def test_live_runs_and_their_memory(make_server):
+    server = make_server(api_keys=[KEY], key_limits=KeyLimits(max_runs=2))
+    with server.http(KEY) as http:
+        sid = session(http)
+        a, b = new_run(http, sid), new_run(http, sid)
+        quota_error(http.post(f"/v1/sessions/{sid}/runs", json={"lora": LORA}), "max_runs", 2)
+        assert len(expect(http.get(f"/v1/sessions/{sid}/runs"), 200)) == 2
+        assert len(server.engine.runs) == 2  # nor an adapter
+        expect(http.post(f"/v1/runs/{a}/finish"), 200)
+        c = new_run(http, sid)
+        expect(http.post(f"/v1/runs/{b}/cancel"), 200)
+        new_run(http, sid)
+        expect(http.post(f"/v1/runs/{c}/cancel"), 200)
+        # A cancelling run holds its adapter until the worker has dropped it, then no longer counts.
+        eventually(lambda: expect(http.get("/v1/quota"), 200)["usage"]["runs"] == 1)
+        # The byte count: 16 bytes (weight, two AdamW moments, gradient) per LoRA number the engine made.
+        held = expect(http.get("/v1/quota"), 200)
+        assert len(server.engine.runs) == 1
+        adapter = next(iter(server.engine.runs.values())).adapter
+        assert held["usage"]["adapter_bytes"] == 16 * sum(p.numel() for p in adapter.parameters())
+        assert held["usage"]["runs"] == 1 and held["limits"]["max_runs"] == 2
+
+
+def test_adapter_memory(make_server, capsys):
+    server = make_server(require_keys=True)
+    probe = create_key(capsys, server)
+    with server.http(probe) as http:
+        new_run(http, session(http))
+        cost = expect(http.get("/v1/quota"), 200)["usage"]["adapter_bytes"]  # one rank-4 run
+    key = create_key(capsys, server, "--max-adapter-bytes", str(int(2.5 * cost)))
+    with server.http(key) as http:
+        sid = session(http)
+        first, _ = new_run(http, sid), new_run(http, sid)
+        body = quota_error(http.post(f"/v1/sessions/{sid}/runs", json={"lora": LORA}), "max_adapter_bytes",
+                           int(2.5 * cost))
+        assert body["usage"] == 2 * cost and str(cost) in body["message"]
+        # A smaller adapter fits in what is left; a larger one does not.
+        quota_error(http.post(f"/v1/sessions/{sid}/runs", json={"lora": {**LORA, "rank": 8}}),
+                    "max_adapter_bytes", int(2.5 * cost))
+        new_run(http, sid, rank=2)
+        expect(http.post(f"/v1/runs/{first}/finish"), 200)
+        new_run(http, sid)
+
+
+def test_queued_operations(make_server):
+    server = make_server(api_keys=[KEY], key_limits=KeyLimits(max_queued_operations=2))
+    with server.http(KEY) as http:
+        run = new_run(http, session(http))
+        # seq 1 and 2 wait for seq 0: both stay queued.
+        ops = [expect(fb(http, run, seq), 202)["id"] for seq in (1, 2)]
+        body = quota_error(fb(http, run, 3), "max_queued_operations", 2)
+        assert body["usage"] == 2 and body["field"] == "max_queued_operations"
+        assert expect(fb(http, run, 1), 202)["id"] == ops[0]  # a retry adds nothing: never refused
+        # seq 0 is what the queued ones wait for: admitted over the limit, or the run could never move.
+        ops.insert(0, expect(fb(http, run, 0), 202)["id"])
+        for op in ops:
+            succeeded(http, op)
+        assert [o["seq_id"] for o in expect(http.get(f"/v1/runs/{run}/operations"), 200)] == [0, 1, 2]
+        succeeded(http, expect(fb(http, run, 3), 202)["id"])  # the queue has drained
+
+
+def test_tokens_per_minute(make_server, monkeypatch):
+    monkeypatch.setattr(quotas, "WINDOW", 3.0)  # a 3 s window: the test waits it out
+    tokens = sum(len(d["input"]["token_ids"]) for d in sft_batch())
+    server = make_server(api_keys=[KEY], key_limits=KeyLimits(max_tokens_per_minute=2 * tokens + 1))
+    with server.http(KEY) as http:
+        run = new_run(http, session(http))
+        first = [expect(fb(http, run, seq), 202)["id"] for seq in (0, 1)]
+        refused = fb(http, run, 2)
+        body = quota_error(refused, "max_tokens_per_minute", 2 * tokens + 1)
+        assert body["usage"] == 2 * tokens
+        assert int(refused.headers["Retry-After"]) <= 3
+        whole = [([1] * 20, [2] * 20)]  # 39 tokens: more than the limit by itself, so never admitted
+        r = fb(http, run, 2, whole)
+        assert r.status_code == 400 and r.json()["field"] == "max_tokens_per_minute", r.text
+        time.sleep(int(refused.headers["Retry-After"]))
+        for op in [*first, expect(fb(http, run, 2), 202)["id"]]:
+            succeeded(http, op)
+
+
+def test_a_keys_own_limits_override_the_servers(make_server, capsys):
+    server = make_server(key_limits=KeyLimits(max_runs=1))
+    more = create_key(capsys, server, "--max-runs", "3", "--name", "more")
+    unlimited = create_key(capsys, server, "--max-runs", "0")
+    plain = create_key(capsys, server)
+    for key, allowed in ((more, 3), (unlimited, 5), (plain, 1)):
+        with server.http(key) as http:
+            sid = session(http)
+            for _ in range(allowed):
+                new_run(http, sid)
+            if key != unlimited:
+                quota_error(http.post(f"/v1/sessions/{sid}/runs", json={"lora": LORA}), "max_runs", allowed)
+    listing = keys_cli(capsys, server, "list")
+    assert "more" in listing and "max_runs=3" in listing and "max_runs=0" in listing
+    assert not any(k in listing for k in (more, unlimited, plain))
+
+
+# ---- whitney keys on a running server ------------------------------------------------------------------------
+
+def test_keys_made_and_revoked_while_the_server_runs(make_server, capsys):
+    server = make_server()
+    with server.http() as anonymous:
+        session(anonymous)  # no key anywhere yet: the server is open
+        key = create_key(capsys, server, "--name", "ci")
+        assert key.startswith("tml-wk-") and len(key) > 40
+        with server.http(key) as http:
+            session(http)  # the new key works at once
+            eventually(lambda: anonymous.post("/v1/sessions", json={}).status_code == 401)  # a key exists: keys on
+            assert len(expect(http.get("/v1/sessions"), 200)) == 1  # its own, not the anonymous one
+            (row,) = [r for r in keys_json(capsys, server) if r["name"] == "ci"]
+            assert row["revoked_at"] is None and "digest" not in row and key not in str(row)
+            assert keys_cli(capsys, server, "revoke", row["id"]).startswith(f"revoked {row['id']}")
+            eventually(lambda: http.get("/v1/sessions").status_code == 401)
+            body = http.get("/v1/sessions").json()
+            assert body["code"] == "unauthorized" and body["field"] == "authorization"
+            # Revoking the last key leaves keys on: nothing opens the server by accident.
+            assert anonymous.post("/v1/sessions", json={}).status_code == 401
+        assert keys_json(capsys, server)[0]["revoked_at"] is not None
+
+
+def test_keys_are_stored_as_digests(make_server, capsys):
+    server = make_server()
+    keys = [create_key(capsys, server) for _ in range(3)]
+    with server.http(keys[0]) as http:
+        session(http)
+    files = list(Path(server.config.data_dir).glob("whitney.db*"))  # the database, its WAL and shared memory
+    assert files
+    stored = b"".join(f.read_bytes() for f in files)
+    for key in keys:
+        assert key.encode() not in stored and key[len("tml-wk-"):].encode() not in stored
+    import hashlib
+
+    assert hashlib.sha256(keys[0].encode()).hexdigest().encode() in stored
+
+
+def test_a_keys_owner_is_its_digest_as_before(make_server, capsys):
+    """Rows carry sha256(key)[:32], as they did before keys were stored: an --api-key keeps its sessions."""
+    import hashlib
+
+    server = make_server(api_keys=[KEY])
+    with server.http(KEY) as http:
+        sid = session(http)
+    store = server.app.state.whitney.store
+    assert store.get_session(sid, hashlib.sha256(KEY.encode()).hexdigest()[:32])["id"] == sid
+    made = create_key(capsys, server)
+    with server.http(made) as http:
+        assert http.get(f"/v1/sessions/{sid}").status_code == 404  # another key, another owner
+        assert store.list_sessions(hashlib.sha256(made.encode()).hexdigest()[:32]) == []
+
+
+def keys_json(capsys, server) -> list[dict]:
+    import json
+
+    return json.loads(keys_cli(capsys, server, "list", "--json"))
+
+
+def eventually(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within the key cache's lifetime"
+        time.sleep(0.1)
+
+
+# ---- keys cover everything ---------------------------------------------------------------------------------
+
+OPEN_WITHOUT_KEYS_BEFORE = [
+    ("GET", "/v1/training/capabilities"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
+    ("GET", "/api/v1/healthz"), ("GET", "/api/v1/get_server_capabilities"), ("POST", "/api/v1/client/config"),
+    ("POST", "/api/v1/client/dynamic_config"), ("POST", "/api/v1/telemetry"), ("GET", "/api/v1/openapi.json"),
+    ("GET", "/api/v1/docs"), ("GET", "/v1/quota"), ("GET", "/no/such/path"), ("OPTIONS", "/v1/sessions"),
+]
+
+
+def test_every_route_but_healthz_needs_a_key(make_server, tiny_llama):
+    server = make_server(api_keys=[KEY])
+    with server.http() as anonymous, server.http("k-wrong") as wrong, server.http(KEY) as http:
+        for method, path in OPEN_WITHOUT_KEYS_BEFORE:
+            for client in (anonymous, wrong):
+                r = client.request(method, path, json={} if method == "POST" else None)
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert r.json()["code"] == "unauthorized", (method, path)
+            assert http.request(method, path, json={} if method == "POST" else None,
+                                headers={"X-API-Key": KEY}).status_code != 401, (method, path)
+        assert expect(anonymous.get("/healthz"), 200) == {"status": "ok"}
+
+
+def test_no_route_shows_a_server_path(make_server, tiny_llama):
+    """A model served from a directory is named by the directory's name; the full path is still accepted."""
+    server = make_server(api_keys=[KEY])
+    name = Path(tiny_llama).name
+    with server.http(KEY) as http:
+        caps = http.get("/v1/training/capabilities")
+        tinker_caps = http.get("/api/v1/get_server_capabilities", headers={"X-API-Key": KEY})
+        for r in (caps, tinker_caps):
+            assert r.status_code == 200 and str(Path(tiny_llama).parent) not in r.text
+        assert [m["name"] for m in caps.json()["models"]] == [name]
+        assert [m["model_name"] for m in tinker_caps.json()["supported_models"]] == [name]
+        sid = session(http)
+        for base_model in (name, tiny_llama):  # the name shown, and the path as the server was given it
+            r = http.post(f"/v1/sessions/{sid}/runs", json={"base_model": base_model, "lora": LORA})
+            assert expect(r, 201)["base_model"] == base_model
+        by_name = expect(http.post("/v1/samples", json={"prompt": [1, 2], "max_tokens": 2, "base_model": name}), 202)
+        succeeded(http, by_name["id"])
+        bad = http.post(f"/v1/sessions/{sid}/runs", json={"base_model": "nope", "lora": LORA})
+        assert bad.status_code == 400 and str(Path(tiny_llama).parent) not in bad.text
+
+
+def test_the_tinker_sdk_with_a_key_retries_a_429(make_server, capsys, monkeypatch, tiny_llama):
+    import tinker
+    from tinker import types
+
+    monkeypatch.setattr(quotas, "WINDOW", 2.0)
+    server = make_server(require_keys=True)
+    key = create_key(capsys, server, "--max-tokens-per-minute", "12")
+    client = tinker.ServiceClient(base_url=server.url, api_key=key)
+    try:
+        caps = tinker.RestClient(base_url=server.url, api_key=key).get_server_capabilities().result()
+        assert [m.model_name for m in caps.supported_models] == [Path(tiny_llama).name]
+        tc = client.create_lora_training_client(base_model=Path(tiny_llama).name, rank=4, seed=0).result()
+        datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4, 5]),
+                            loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5})
+        started = time.monotonic()
+        # 5 tokens each: the third is refused (429, Retry-After <= 2 s) and sent again by the SDK itself.
+        futures = [tc.forward_backward([datum], "cross_entropy") for _ in range(3)]
+        results = [f.result() for f in futures]
+        assert all(r.metrics["loss:sum"] > 0 for r in results)
+        assert time.monotonic() - started >= 1.0  # it waited for the window
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    finally:
+        client.close("success").result()
+    with server.http() as anonymous:
+        assert anonymous.get("/api/v1/healthz").status_code == 401
+
+
+# ---- finished runs give their memory back --------------------------------------------------------------------
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_finished_runs_give_their_memory_back(make_server):
+    """20 rank-32 runs, each trained one step (weights, AdamW moments, gradients: ~25 MB each with the tiny
+    model's 49k-row unembedding), then finished: RSS returns close to where it was before them."""
+    server = make_server(api_keys=[KEY])
+
+    def train_runs(http, count: int) -> list[str]:
+        sid = session(http)
+        runs = [new_run(http, sid, rank=32) for _ in range(count)]
+        ops = [expect(fb(http, run, 0), 202)["id"] for run in runs]
+        ops += [expect(http.post(f"/v1/runs/{run}/optim_step", json={"seq_id": 1, "adam_params": ADAM}), 202)["id"]
+                for run in runs]
+        ops += [expect(fb(http, run, 2), 202)["id"] for run in runs]  # a gradient held at the end too
+        for op in ops:
+            succeeded(http, op)
+        return runs
+
+    with server.http(KEY) as http:
+        for run in train_runs(http, 2):  # warm-up: the allocator's and torch's own first-use costs
+            expect(http.post(f"/v1/runs/{run}/finish"), 200)
+        gc.collect()
+        before = rss()
+        runs = train_runs(http, 20)
+        during = rss()
+        for run in runs:
+            expect(http.post(f"/v1/runs/{run}/finish"), 200)
+        gc.collect()
+        after = rss()
+    grown = during - before
+    assert grown > 20 * 10 * 2**20, f"the runs should hold > 200 MB, held {grown / 2**20:.0f} MB"
+    assert after - before < 0.15 * grown, \
+        f"RSS before {before / 2**20:.0f} MB, with the runs {during / 2**20:.0f} MB, after {after / 2**20:.0f} MB"

@@ -1,0 +1,172 @@
+"""API keys: shown once when made, stored as a digest, looked up on every request; their limits.
+
+A caller's identity (the owner every row carries) is `owner_of_key(key)`, the first 32 hex digits of
+the key's sha256, whether the key was given to `whitney serve --api-key` or made by `whitney keys
+create`: moving a key from one to the other keeps its sessions, runs and checkpoints. The database
+keeps the whole sha256, never the key. Plain sha256 is enough: a made key holds 256 random bits, so no
+dictionary guesses it (a salt protects weak secrets such as passwords), and an unsalted digest is
+an index every request can look up.
+
+Keys are required when the server has `--api-key`s, when it was started with `--require-keys`, or
+when its database holds any key, revoked ones included (revoking the last key never opens the
+server). Lookups are cached for CACHE_SECONDS, so `whitney keys create|revoke` take effect on a
+running server within that time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, fields, replace
+
+from starlette.responses import JSONResponse
+
+from whitney.errors import WhitneyError
+from whitney.service.store import Store
+
+PREFIX = "tml-wk-"  # the Tinker SDK refuses keys that do not start with "tml-"
+CACHE_SECONDS = 1.0
+CACHE_ENTRIES = 10_000  # unknown keys are cached too: a flood of made-up keys may not grow memory
+OPEN_PATHS = ("/healthz",)  # the one route that answers without a key
+
+
+class Unauthorized(WhitneyError):
+    code = "unauthorized"
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """Per-key limits; 0 is unlimited. The defaults here are the server's unless flags or a file say otherwise.
+
+    Only limits that no ordinary use reaches have a default: the memory and tokens a machine can afford
+    are the operator's to set.
+    """
+
+    max_sessions: int = 1_000  # active sessions (closed and expired ones do not count)
+    max_runs: int = 256  # live runs (finished, cancelled, failed and interrupted ones do not count)
+    max_adapter_bytes: int = 0  # LoRA weights + AdamW moments + gradients of the live runs
+    max_queued_operations: int = 4_096  # operations queued or running, training and sampling
+    max_tokens_per_minute: int = 0  # forward and forward_backward tokens submitted in the last 60 s
+
+    def override(self, own: dict) -> "KeyLimits":
+        """These limits, with each of a key's own (not None) in their place."""
+        return replace(self, **{k: v for k, v in own.items() if k in LIMITS and v is not None})
+
+
+LIMITS = tuple(f.name for f in fields(KeyLimits))
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_limit(name: str, value: object) -> int:
+    """A limit from a flag or a file: a non-negative integer; byte limits may carry a unit ("8GiB", "500MB")."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?)?b?\s*", str(value).lower()) if isinstance(value, str) else None
+    if match is None or (match.group(2) and name != "max_adapter_bytes"):
+        unit = " (units: KB, MB, GB, KiB, MiB, GiB)" if name == "max_adapter_bytes" else ""
+        raise ValueError(f"{name} must be a non-negative integer{unit}, got {value!r}")
+    return int(match.group(1)) * _UNITS[match.group(2) or ""]
+
+
+def limits_from_file(path: str) -> dict[str, int]:
+    """Per-key default limits from a TOML file of top-level `max_... = N` lines (docs/API.md); unknown names raise."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        table = tomllib.load(f)
+    unknown = sorted(set(table) - set(LIMITS))
+    if unknown:
+        raise ValueError(f"{path}: unknown limits {unknown}; known: {list(LIMITS)}")
+    return {name: parse_limit(name, value) for name, value in table.items()}
+
+
+def new_key() -> str:
+    return PREFIX + secrets.token_urlsafe(32)
+
+
+def digest_of(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def owner_of_key(key: str) -> str:
+    return digest_of(key)[:32]
+
+
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """Native clients send `Authorization: Bearer <key>`; Tinker's SDK sends `X-API-Key`."""
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return x_api_key or None
+
+
+class KeyRing:
+    """The keys a server accepts: those it was started with, and the store's (cached for CACHE_SECONDS)."""
+
+    def __init__(self, store: Store, config_keys: list[str], require_keys: bool = False):
+        self.store = store
+        self._config = {digest_of(k) for k in config_keys}
+        self._always = bool(config_keys) or require_keys
+        self._cache: dict[str, tuple[float, dict | None]] = {}  # digest -> (until, key row or None)
+        self._any: tuple[float, bool] = (0.0, False)
+        self._own: dict[str, dict] = {}  # owner -> its key's own limits, as last looked up
+        self._lock = threading.Lock()
+
+    def required(self) -> bool:
+        if self._always:
+            return True
+        until, held = self._any
+        if time.monotonic() >= until:
+            held = self.store.has_keys()
+            self._any = (time.monotonic() + CACHE_SECONDS, held)
+        return held
+
+    def owner(self, key: str | None) -> str:
+        """The owner of a valid key; without one, '' if the server requires no keys, else Unauthorized."""
+        digest = digest_of(key) if key else None
+        if digest is not None and digest in self._config:
+            return digest[:32]
+        row = self._lookup(digest) if digest is not None else None
+        if row is not None and row["revoked_at"] is None:
+            self._own[digest[:32]] = {k: row[k] for k in LIMITS}
+            return digest[:32]
+        if self.required():
+            raise Unauthorized("a valid API key is required (Authorization: Bearer <key>)", field="authorization")
+        return ""
+
+    def own_limits(self, owner: str) -> dict:
+        """The owner's key's own limits (None: the server's default); {} for `--api-key` keys and no key."""
+        return self._own.get(owner, {})
+
+    def _lookup(self, digest: str) -> dict | None:
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and now < hit[0]:
+            return hit[1]
+        row = self.store.find_key(digest)
+        with self._lock:
+            if len(self._cache) >= CACHE_ENTRIES:
+                self._cache.clear()
+            self._cache[digest] = (now + CACHE_SECONDS, row)
+        return row
+
+
+class KeyGate:
+    """ASGI middleware: with keys on, every path but OPEN_PATHS needs a valid key, before any routing. So
+    the OpenAPI documents, /docs, the Tinker sub-app and unknown paths are covered as the routes are."""
+
+    def __init__(self, app, keys: KeyRing):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            self.keys.owner(presented_key(headers.get("authorization"), headers.get("x-api-key")))
+        except Unauthorized as e:
+            response = JSONResponse(status_code=401, content=e.to_dict(), headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
