@@ -137,6 +137,69 @@ class Server:
         self.stop()
 
 
+def tiny_model() -> str:
+    """A 2-layer, 64-wide random Llama with the real SmolLM2 tokenizer (the test suite's), made once and
+    cached: the model of the many-client benchmarks, where per-operation machinery, not arithmetic, counts."""
+    from pathlib import Path
+
+    from tests.models import make_tiny_model
+
+    out = Path(os.environ.get("WHITNEY_CACHE_DIR", "~/.cache/whitney")).expanduser() / "bench-tiny-llama"
+    if not (out / "config.json").exists():
+        make_tiny_model(out, "llama")
+    return str(out)
+
+
+class Clients:
+    """Many clients in threads, each looping `step(index, client)` until a deadline; op latencies recorded.
+
+    `step` returns a list of (kind, seconds) it measured; an exception is counted as an error and kept.
+    """
+
+    def __init__(self, url: str):
+        import threading
+
+        self.url = url
+        self.latencies: dict[str, list[float]] = {}
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+
+    def run(self, n: int, setup, step, seconds: float) -> None:
+        import threading
+
+        import whitney
+
+        deadline = time.monotonic() + seconds
+
+        def loop(i: int) -> None:
+            client = whitney.Client(self.url, timeout=300)
+            try:
+                state = setup(i, client)
+                while time.monotonic() < deadline:
+                    for kind, t in step(i, state):
+                        with self._lock:
+                            self.latencies.setdefault(kind, []).append(t)
+            except Exception as e:  # counted, never hidden
+                with self._lock:
+                    self.errors.append(f"client {i}: {type(e).__name__}: {e}")
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def timed(future) -> float:
+    """Wait for an operation future; its submit -> result latency as the server recorded it, in seconds."""
+    op = future.wait()
+    if op["status"] != "succeeded":
+        raise RuntimeError(f"{op['kind']} ended {op['status']}: {op.get('error')}")
+    return op["finished_at"] - op["created_at"]
+
+
 def start_server(*args: str, model: str = DEFAULT_MODEL, timeout: float = 180.0) -> Server:
     """Start `python -m whitney.cli serve` on a free port; return once it prints that it is serving."""
     data_dir = tempfile.TemporaryDirectory(prefix="whitney-bench-")

@@ -73,6 +73,21 @@ def absolute(name: str, r: dict) -> str:
         per_tok = ", ".join(f"{k}: {v:.1f}" for k, v in r["sampling_ms_per_token"].items())
         return (f"step by length (batch 1) {by_len}; by batch (length {r['settings']['length_for_batches']}) "
                 f"{by_batch}; sampling ms/token by concurrency {per_tok}")
+    if name == "fairness":
+        phases = []
+        for phase in ("alone", "contended"):
+            x = r[phase]
+            phases.append(f"{phase}: small forward_backward p50 {x['forward_backward']['p50_s']:.2f} s / p99 "
+                          f"{x['forward_backward']['p99_s']:.2f} s (n={x['forward_backward']['n']})")
+        big = r["contended"].get("big_forward_backward")
+        if big:
+            phases.append(f"largest batch p50 {big['p50_s']:.1f} s (n={big['n']})")
+        return "; ".join(phases)
+    if name == "soak":
+        rss = r["rss_mib"]
+        return (f"{r['operations']} operations, {r['operations_per_s']:.1f}/s, {r['n_errors']} errors; RSS "
+                f"{rss[0][1]:.0f} -> {rss[-1][1]:.0f} MiB; " + ", ".join(
+                    f"{k} p50 {v['p50_s']:.2f} / p99 {v['p99_s']:.2f} s" for k, v in r["latency"].items()))
     if name == "peers":
         parts = []
         for who, x in r["results"].items():
@@ -248,6 +263,13 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "Target p50 < 20 ms each.",
         "- **scaling**: in-process engine; step time vs sequence length and batch size, sampling time per token "
         "vs concurrent sequences; exponent = least-squares slope of log time vs log size.",
+        "- **fairness**: `whitney serve` on a tiny model (2 layers, 64 wide); 31 clients loop forward_backward "
+        "(4 x 64) + optim_step, alone and then while one more client submits the largest allowed batch back to "
+        "back; latency = the operation's created_at -> finished_at on the server. Target: small clients' p99 "
+        "with / without <= 3.",
+        "- **soak**: 32 clients on the tiny model for 3 minutes: forward_backward + optim_step, every 4th step a "
+        "sampler version and an 8-token sample. Targets: zero errors; server RSS growth after the first third "
+        "<= 5%.",
         "- **peers** (`make bench-peers`, after `../shared/peers/skyrl/setup.sh`): `../shared/peers/bench_sdk.py` "
         "through the official SDK against `whitney serve` (SDK 0.38, LoRA clients with train_unembed=False as "
         "SkyRL trains no unembedding adapter) and against SkyRL tx 0.4.0 (JAX, float32, its pinned SDK 0.25; "
