@@ -154,6 +154,7 @@ class Clients:
     """Many clients in threads, each looping `step(index, client)` until a deadline; op latencies recorded.
 
     `step` returns a list of (kind, seconds) it measured; an exception is counted as an error and kept.
+    A step that may outlast the phase reads `deadline` (time.monotonic()) and stops waiting there.
     """
 
     def __init__(self, url: str):
@@ -162,6 +163,7 @@ class Clients:
         self.url = url
         self.latencies: dict[str, list[float]] = {}
         self.errors: list[str] = []
+        self.deadline = 0.0
         self._lock = threading.Lock()
 
     def run(self, n: int, setup, step, seconds: float) -> None:
@@ -169,7 +171,7 @@ class Clients:
 
         import whitney
 
-        deadline = time.monotonic() + seconds
+        deadline = self.deadline = time.monotonic() + seconds
 
         def loop(i: int) -> None:
             client = whitney.Client(self.url, timeout=300)

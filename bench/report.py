@@ -82,6 +82,8 @@ def absolute(name: str, r: dict) -> str:
         big = r["contended"].get("big_forward_backward")
         if big:
             phases.append(f"largest batch p50 {big['p50_s']:.1f} s (n={big['n']})")
+        if r["contended"].get("big_forward_backward_unfinished"):
+            phases.append("the largest batch was still running at its fair share when the phase ended")
         return "; ".join(phases)
     if name == "soak":
         rss = r["rss_mib"]

@@ -28,12 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--db-url", default=None, help="SQLAlchemy URL (default sqlite in the data dir)")
     serve.add_argument("--api-key", action="append", default=[], help="required bearer key (repeatable)")
     serve.add_argument("--session-timeout", type=float, default=600.0, help="seconds without heartbeat")
-    serve.add_argument("--max-lora-rank", type=int, default=128)
-    serve.add_argument("--max-sequences", type=int, default=256, help="sampling: concurrent sequences")
-    serve.add_argument("--max-cached-tokens", type=int, default=262_144, help="sampling: KV-cache tokens")
-    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                       help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
-                            "bfloat16 is several times faster on CPUs with AVX-512 BF16")
+    add_engine_flags(serve)
     add_request_limit_flags(serve)
     add_key_limit_flags(serve)
     add_keys_command(sub)
@@ -62,10 +57,8 @@ def serve_main(args) -> int:
     from whitney.service.app import ServiceConfig, create_app, serve_in_thread
 
     config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
-                           session_timeout=args.session_timeout, max_lora_rank=args.max_lora_rank,
-                           max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens,
-                           compute_dtype=args.dtype, limits=request_limits(args), require_keys=args.require_keys,
-                           key_limits=key_limits(args))
+                           session_timeout=args.session_timeout, engine=engine_config(args),
+                           limits=request_limits(args), require_keys=args.require_keys, key_limits=key_limits(args))
     if args.data_dir:
         config.data_dir = Path(args.data_dir)
     # HTTP on a thread, the engine's worker loop on the main thread (see Scheduler.run for why).
@@ -82,6 +75,30 @@ def serve_main(args) -> int:
     finally:
         server.stop()
     return 0
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+def add_engine_flags(serve: argparse.ArgumentParser) -> None:
+    """--max-lora-rank, --max-sequences, --max-cached-tokens, --dtype: defaults from EngineConfig."""
+    from whitney.engine.backend import EngineConfig
+
+    default = EngineConfig()
+    serve.add_argument("--max-lora-rank", type=int, default=default.max_lora_rank)
+    serve.add_argument("--max-sequences", type=int, default=default.max_sequences,
+                       help="sampling: concurrent sequences")
+    serve.add_argument("--max-cached-tokens", type=int, default=default.max_cached_tokens,
+                       help="sampling: KV-cache tokens")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default=default.compute_dtype,
+                       help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
+                            "bfloat16 is several times faster on CPUs with AVX-512 BF16")
+
+
+def engine_config(args):
+    from whitney.engine.backend import EngineConfig
+
+    return EngineConfig(max_lora_rank=args.max_lora_rank, compute_dtype=args.dtype, max_sequences=args.max_sequences,
+                        max_cached_tokens=args.max_cached_tokens)
 
 
 # ---- per-request limits -------------------------------------------------------------------------

@@ -628,14 +628,14 @@ def test_validation_errors(eng, tiny_llama, prompt, params, field):
 
 def test_validation_boundaries_and_versions(eng, tiny_llama):
     base = base_of(eng, tiny_llama)
-    validate([1] * 10, SamplingParams(max_tokens=502), base, 256)  # exactly the context: allowed
+    validate([1] * 10, SamplingParams(max_tokens=502), base.config, 256)  # exactly the context: allowed
     validate([VOCAB - 1], SamplingParams(top_p=1.0, temperature=0.0, num_samples=256, stop=("x", 3, [4, 5])),
-             base, 256)
-    validate([1], SamplingParams(top_k=VOCAB), base, 256)  # the whole vocabulary: allowed, and it samples
+             base.config, 256)
+    validate([1], SamplingParams(top_k=VOCAB), base.config, 256)  # the whole vocabulary: allowed, and it samples
     assert len(eng.sample([1], SamplingParams(max_tokens=2, top_k=VOCAB, seed=3, stop=()),
                           base_model=tiny_llama).sequences[0].tokens) == 2
     with pytest.raises(InvalidInput) as err:
-        validate([1], SamplingParams(num_samples=5), base, 4)
+        validate([1], SamplingParams(num_samples=5), base.config, 4)
     assert err.value.field == "num_samples"
     e = Engine(max_sequences=4)
     e.models[tiny_llama] = base

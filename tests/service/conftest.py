@@ -27,7 +27,8 @@ class RunningServer:
 
     @property
     def engine(self):
-        return self.app.state.whitney.scheduler.engine
+        """The in-process engine behind the server's backend (for exactness checks)."""
+        return self.app.state.whitney.scheduler.backend.engine
 
     def stop(self) -> None:
         self.server.should_exit = True

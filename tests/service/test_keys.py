@@ -83,6 +83,8 @@ def test_live_runs_and_their_memory(make_server):
         expect(http.post(f"/v1/runs/{a}/finish"), 200)
         c = new_run(http, sid)
         expect(http.post(f"/v1/runs/{b}/cancel"), 200)
+        # b counts while cancelling (it holds its adapter until the worker drops it), then no longer.
+        eventually(lambda: expect(http.get("/v1/quota"), 200)["usage"]["runs"] == 1)
         new_run(http, sid)
         expect(http.post(f"/v1/runs/{c}/cancel"), 200)
         # A cancelling run holds its adapter until the worker has dropped it, then no longer counts.

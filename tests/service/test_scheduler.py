@@ -12,8 +12,10 @@ import time
 import pytest
 import torch
 
-from whitney.engine import Datum, Engine, LoraConfig
+from whitney.engine import AdamParams, Datum, Engine, LoraConfig
+from whitney.engine.backend import InProcessBackend, Weights
 from whitney.service.limits import plan_micro_batches
+from whitney.service.jobs import ForwardJob, OptimJob
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store, digest
 from tests.models import VOCAB
@@ -37,6 +39,17 @@ def test_plan_micro_batches(remaining, budget, starved, want):
     assert plan_micro_batches(remaining, budget, starved) == want
 
 
+@pytest.mark.parametrize("remaining,reserved,want", [
+    ([[60] * 20], [], [3]),  # alone: the whole budget (200)
+    ([[60] * 20], [8, 8], [3]),  # small reservations leave most of it
+    ([[60] * 20], [100, 100], [1]),  # two runs due back with 100 tokens each: a third share
+    ([[60] * 20], [200] * 31, [1]),  # nothing left: one datum (alone among the ready), never zero
+    ([[10] * 3, [60] * 20], [150], [3, 1]),  # a ready small one runs whole; the reservation shrinks the big one
+])
+def test_plan_reserves_the_share_of_runs_due_back(remaining, reserved, want):
+    assert plan_micro_batches(remaining, 200, [False] * len(remaining), reserved) == want
+
+
 def test_plan_is_max_min_fair():
     """However many small operations there are, each of them runs whole while a large one is split."""
     for n_small in (1, 5, 31):
@@ -56,7 +69,7 @@ def worker(tmp_path, tiny_llama):
     engine = Engine()
     engine.load_model(tiny_llama)
     store = Store(f"sqlite:///{tmp_path / 'w.db'}")
-    scheduler = Scheduler(engine, store, tmp_path, max_batch_tokens=64)
+    scheduler = Scheduler(InProcessBackend(engine), store, tmp_path, max_batch_tokens=64)
     scheduler.start()
     session = store.create_session("me")
 
@@ -66,9 +79,9 @@ def worker(tmp_path, tiny_llama):
                            None).result(timeout=60)
         store.create_run(session["id"], "me", tiny_llama, {}, None, False, None, run_id=run_id)
 
-    def submit(run_id: str, seq_id: int, kind: str, payload: dict) -> dict:
+    def submit(run_id: str, seq_id: int, kind: str, job) -> dict:
         op, _ = store.submit_operation("me", run_id, seq_id, kind, digest({"seq": seq_id, "run": run_id}))
-        scheduler.submit(op, payload)
+        scheduler.submit(op, job)
         return op
 
     yield scheduler, open_run, submit
@@ -94,13 +107,13 @@ def datums(seed: int, lengths: list[int]) -> list[Datum]:
     return out
 
 
-def fb_payload(data: list[Datum], loss_fn: str = "cross_entropy") -> dict:
-    return {"data": data, "loss_fn": loss_fn, "loss_config": {}, "tokens": sum(len(d.token_ids) for d in data)}
+def fb_payload(data: list[Datum], loss_fn: str = "cross_entropy") -> ForwardJob:
+    return ForwardJob(data, loss_fn, {}, [len(d.token_ids) for d in data])
 
 
 def test_large_operation_runs_in_micro_batches_equal_to_one_pass(worker, tiny_llama):
     scheduler, open_run, submit = worker
-    store, engine = scheduler.store, scheduler.engine
+    store, engine = scheduler.store, scheduler.backend.engine
     open_run("big", seed=1)
     open_run("small", seed=2)
     data = datums(0, [20] * 12)  # 240 tokens: at least 4 engine calls of 64
@@ -148,14 +161,14 @@ def test_failed_micro_batch_adds_no_gradient_and_names_the_whole_operations_datu
     op = wait(scheduler.store, submit("r", 0, "forward_backward", fb_payload(data))["id"])
     assert op["status"] == "failed" and op["error"]["datum_index"] == 4, op["error"]
     assert op["error"]["category"] == "user"
-    assert not scheduler.engine.runs["r"].grads and not scheduler.engine.runs["r"].staged
+    assert not scheduler.backend.engine.runs["r"].grads and not scheduler.backend.engine.runs["r"].staged
 
 
 def test_cancel_during_micro_batches(worker):
     scheduler, open_run, submit = worker
     open_run("r", seed=4)
     op = submit("r", 0, "forward_backward", fb_payload(datums(2, [30] * 40)))  # 20 engine calls
-    after = submit("r", 1, "optim_step", {"adam_params": {}})
+    after = submit("r", 1, "optim_step", OptimJob(AdamParams()))
     deadline = time.monotonic() + 60
     while scheduler.store.get_operation(op["id"])["status"] != "running" and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -170,9 +183,9 @@ def test_compute_logprobs_in_chunks_equals_one_call(worker, tiny_llama):
     g = torch.Generator().manual_seed(5)
     sequences = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (30, 1, 45, 12, 50, 7)]
     op, _ = store.submit_operation("me", None, None, "compute_logprobs", "")
-    scheduler.submit_logprobs(op, sequences, {"base_model": tiny_llama})
+    scheduler.submit_logprobs(op, sequences, Weights(base_model=tiny_llama))
     got = wait(store, op["id"])["result"]["logprobs"]
-    want = scheduler.call(lambda: scheduler.engine.compute_logprobs(sequences, base_model=tiny_llama)).result(60)
+    want = scheduler.call(lambda: scheduler.backend.engine.compute_logprobs(sequences, base_model=tiny_llama)).result(60)
     assert [len(x) for x in got] == [len(s) for s in sequences]
     for a, b in zip(got, want):
         assert a[0] is None and b[0] is None

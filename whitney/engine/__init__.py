@@ -1,6 +1,8 @@
 """Whitney's engine: tensors only (torch + transformers), no HTTP, no database.
 
 Public API:
+  Backend                the interface the service drives (backend.py): plain data in and out;
+                         InProcessBackend over an Engine; EngineConfig, ModelInfo, Weights, Failure
   Engine                 base models and runs; forward, forward_backward, run_batch, optim_step,
                          compute_logprobs, save_weights_for_sampler, save_state, load_state,
                          export_lora, save_weights
@@ -16,6 +18,7 @@ K soft-target candidates per position, M teacher-stream tokens (opsd), D hidden 
 r LoRA rank. Losses are summed over tokens, never averaged (opsd: summed over rows of per-row means).
 """
 
+from whitney.engine.backend import Backend, EngineConfig, Failure, InProcessBackend, ModelInfo, Weights
 from whitney.engine.datum import Datum, TensorInput
 from whitney.engine.lora import LoraConfig
 from whitney.engine.losses import LOSS_CONFIG_KEYS, LOSS_NAMES
@@ -23,5 +26,6 @@ from whitney.engine.model import DEFAULT_MODEL
 from whitney.engine.optim import AdamParams
 from whitney.engine.runs import DatumOutput, Engine, ForwardRequest, ForwardResult, merge_results
 
-__all__ = ["AdamParams", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "ForwardRequest", "ForwardResult",
-           "LOSS_CONFIG_KEYS", "LOSS_NAMES", "LoraConfig", "TensorInput", "merge_results"]
+__all__ = ["AdamParams", "Backend", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "EngineConfig", "Failure",
+           "ForwardRequest", "ForwardResult", "InProcessBackend", "LOSS_CONFIG_KEYS", "LOSS_NAMES", "LoraConfig",
+           "ModelInfo", "TensorInput", "Weights", "merge_results"]

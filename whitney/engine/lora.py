@@ -15,9 +15,10 @@ import torch
 from whitney.engine.model import (
     ATTN_PROJECTIONS, MLP_PROJECTIONS, LAYER_PROJECTIONS, UNEMBED, BaseModel, module_path,
 )
+from whitney.engine.config import EngineConfig
 from whitney.errors import InvalidInput, check
 
-DEFAULT_MAX_RANK = 128
+DEFAULT_MAX_RANK = EngineConfig.max_lora_rank
 FLOAT32_DELTA_ROWS = 64  # LoRA deltas of at most this many rows are computed in float32 (see _delta)
 
 

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from whitney.engine import checkpoint as ckpt
 from whitney.engine import opsd
 from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
-from whitney.engine.lora import DEFAULT_MAX_RANK, Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
+from whitney.engine.config import EngineConfig
+from whitney.engine.lora import Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
 from whitney.engine.losses import LossOutput, loss_spec
 from whitney.engine.model import (
     COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, target_logprobs,
@@ -123,8 +124,10 @@ class Engine:
     Not thread-safe: the service drives it from one worker thread.
     """
 
-    def __init__(self, max_lora_rank: int = DEFAULT_MAX_RANK, compute_dtype: str | torch.dtype = "float32",
-                 max_sequences: int = 256, max_cached_tokens: int = 262_144, max_prefill_tokens: int = 16_384):
+    def __init__(self, max_lora_rank: int = EngineConfig.max_lora_rank,
+                 compute_dtype: str | torch.dtype = EngineConfig.compute_dtype,
+                 max_sequences: int = EngineConfig.max_sequences, max_cached_tokens: int = EngineConfig.max_cached_tokens,
+                 max_prefill_tokens: int = EngineConfig.max_prefill_tokens):
         self.max_lora_rank = max_lora_rank
         if compute_dtype not in COMPUTE_DTYPES and compute_dtype not in COMPUTE_DTYPES.values():
             raise InvalidInput(f"compute dtype must be one of {list(COMPUTE_DTYPES)}, got {compute_dtype}",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from whitney.engine.config import EngineConfig
 from whitney.engine.lora import Adapter, RowGroups
 from whitney.engine.model import BaseModel, full_logprobs
 from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, unembed
@@ -95,10 +96,11 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate(prompt: list[int], params: SamplingParams, base: BaseModel, max_samples: int) -> None:
-    """Check every parameter of a request against the model, so nothing fails later in the batch; each
-    rule names its parameter. Integers are never booleans; top_k and topk_prompt_logprobs are at most V."""
-    vocab, context = base.config.vocab_size, base.config.max_context
+def validate(prompt: list[int], params: SamplingParams, model, max_samples: int) -> None:
+    """Check every parameter of a request against the model (anything with `vocab_size` and `max_context`:
+    a ModelConfig, or the service's ModelInfo), so nothing fails later in the batch; each rule names its
+    parameter. Integers are never booleans; top_k and topk_prompt_logprobs are at most V."""
+    vocab, context = model.vocab_size, model.max_context
     check(isinstance(prompt, list) and len(prompt) > 0, "prompt must be a non-empty list of token ids",
           field="prompt")
     check(all(_int(t) and 0 <= t < vocab for t in prompt),
@@ -189,8 +191,9 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row], u: torch.Tensor) -> tupl
 class Sampler:
     """The running batch and the queue of one base model. Drive it with `step()` until idle."""
 
-    def __init__(self, base: BaseModel, max_sequences: int = 256, max_cached_tokens: int = 262_144,
-                 max_prefill_tokens: int = 16_384):
+    def __init__(self, base: BaseModel, max_sequences: int = EngineConfig.max_sequences,
+                 max_cached_tokens: int = EngineConfig.max_cached_tokens,
+                 max_prefill_tokens: int = EngineConfig.max_prefill_tokens):
         self.base = base
         self.max_sequences = max_sequences
         self.max_cached_tokens = max_cached_tokens
@@ -204,7 +207,7 @@ class Sampler:
 
     def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> SampleRequest:
         """Validate and queue a request; it runs on the next steps. Excess requests wait, never fail."""
-        validate(prompt, params, self.base, self.max_sequences)
+        validate(prompt, params, self.base.config, self.max_sequences)
         stop = params.stop
         request = SampleRequest(list(prompt), params, adapter)
         if stop is None:

@@ -1,4 +1,4 @@
-"""create_app(config): the FastAPI application over one store, one scheduler and one engine."""
+"""create_app(config): the FastAPI application over one store, one scheduler and one backend."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import logging
 import threading
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Match, Mount
 
-from whitney.engine import DEFAULT_MODEL, Engine
+from whitney.engine import DEFAULT_MODEL
+from whitney.engine.backend import Backend, EngineConfig, InProcessBackend
 from whitney.engine.checkpoint import remove_leftovers
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge
 from whitney.service import handlers, schemas, tinker
@@ -46,18 +47,16 @@ class ServiceConfig:
     api_keys: list[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)  # per request, and the worker's micro-batch budget
     session_timeout: float = 600.0
-    max_lora_rank: int = 128
-    max_sequences: int = 256  # sampling: concurrent sequences per base model (more wait in a queue)
-    max_cached_tokens: int = 262_144  # sampling: KV-cache tokens per base model
-    compute_dtype: str = "float32"  # base weights and activations: "float32" or "bfloat16"
+    engine: EngineConfig = field(default_factory=EngineConfig)  # LoRA rank bound, dtype, sampling memory
     # API keys and per-key quotas (keys.py, quotas.py): keys are required when api_keys is given, require_keys
     # is set or the database holds a key; key_limits are the server's defaults, a key's own limits override them.
     require_keys: bool = False
     key_limits: KeyLimits = field(default_factory=KeyLimits)
 
 
-def create_app(config: ServiceConfig, engine: Engine | None = None, worker_thread: bool = True) -> FastAPI:
-    """Build the app. The base models are loaded here, before the first request.
+def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thread: bool = True) -> FastAPI:
+    """Build the app. The base models are loaded here, before the first request (by default into an
+    in-process engine; `backend` may be any other, its models already loaded).
 
     worker_thread=False leaves the scheduler's worker loop to the caller (`scheduler.run()` on the main
     thread, as `whitney serve` does); the app then serves from another thread (`serve_in_thread`).
@@ -67,20 +66,18 @@ def create_app(config: ServiceConfig, engine: Engine | None = None, worker_threa
     store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}")
     store.recover_after_restart()
     remove_leftovers(data_dir / "packages")  # half-written checkpoints of a killed process
-    engine = engine or Engine(max_lora_rank=config.max_lora_rank, max_sequences=config.max_sequences,
-                              max_cached_tokens=config.max_cached_tokens,
-                              max_prefill_tokens=config.limits.max_batch_tokens,
-                              compute_dtype=config.compute_dtype)
-    for name in config.models:
-        engine.load_model(name)
     # A model served from a directory goes by the directory's name, so no route shows a server path; the
     # path as given still names it. The engine holds the one loaded model under both names.
     shown = [served_name(name) for name in config.models]
     if len(set(shown)) < len(shown):
         raise ValueError(f"two models would be served under one name: {shown}")
-    for name, public in zip(config.models, shown):
-        engine.models.setdefault(public, engine.models[name])
-    scheduler = Scheduler(engine, store, data_dir, config.limits.max_batch_tokens, config.session_timeout)
+    if backend is None:
+        # Sampling prefills at most one engine call's budget of prompt tokens per step, as training does.
+        backend = InProcessBackend.start(replace(config.engine, max_prefill_tokens=config.limits.max_batch_tokens),
+                                         [])
+        for name, public in zip(config.models, shown):
+            backend.load_model(name, alias=public)
+    scheduler = Scheduler(backend, store, data_dir, config.limits.max_batch_tokens, config.session_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -94,7 +91,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None, worker_threa
     keys = KeyRing(store, list(config.api_keys), config.require_keys)
     app.state.whitney = ServiceState(store, scheduler, shown, keys, data_dir,
                                      config.limits.max_request_bytes, config.limits,
-                                     Quotas(store, keys, config.key_limits, engine),
+                                     Quotas(store, keys, config.key_limits, backend),
                                      {name: public for name, public in zip(config.models, shown) if name != public})
     for module in (capabilities, sessions, operations, sampling, checkpoints):
         app.include_router(module.router, responses=ERRORS)

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from whitney.engine.backend import ModelInfo
 from whitney.service.keys import KeyRing, Unauthorized, owner_of_key, presented_key  # noqa: F401 (re-exported)
 from whitney.service.limits import Limits
 from whitney.service.quotas import Quotas
@@ -33,6 +34,10 @@ class ServiceState:
 
     def serves(self, base_model: str | None) -> bool:
         return base_model in self.models or base_model in self.model_aliases
+
+    def model_info(self, base_model: str) -> ModelInfo:
+        """What the backend says of a served model (by its shown name or the name it was served as)."""
+        return self.scheduler.backend.models[self.model_aliases.get(base_model, base_model)]
 
 
 def served_name(model: str) -> str:

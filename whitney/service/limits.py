@@ -34,8 +34,10 @@ class Limits:
     max_metadata_bytes: int = _limit(16_384, "user_metadata of a session or run, as compact UTF-8 JSON")
     max_stop_sequences: int = _limit(32, "stop strings or token sequences of one sample request")
     max_stop_length: int = _limit(256, "characters of a stop string, tokens of a stop sequence")
-    max_batch_tokens: int = _limit(16_384, "training tokens per engine call: larger operations run as "
-                                           "micro-batches, other runs' work in between")
+    # It bounds how long one engine call, and so any wait behind it, lasts. On a CPU the time of a call grows
+    # with its tokens (no larger batch is more efficient), so a small budget costs no throughput there.
+    max_batch_tokens: int = _limit(8192, "training tokens per engine call: larger operations run as "
+                                         "micro-batches, other runs' work in between")
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -71,20 +73,29 @@ def check_stops(limits: Limits, stop) -> None:
                            field="stop")
 
 
-def plan_micro_batches(remaining: list[list[int]], budget: int, starved: list[bool]) -> list[int]:
+def plan_micro_batches(remaining: list[list[int]], budget: int, starved: list[bool],
+                       reserved: list[int] = ()) -> list[int]:
     """How many leading datums of each operation run in the next engine call.
 
-    remaining[i]: the token counts of operation i's datums not yet run. Operations are visited from
-    the smallest to the largest; each may use an equal share of what is left of `budget`. One that fits
-    its share runs whole; a larger one runs the longest prefix of datums that fits. An operation that
-    got nothing last time (`starved[i]`), or is alone, runs at least one datum, so nothing waits forever;
-    the call may then exceed the budget by at most one datum per such operation.
+    remaining[i]: the token counts of operation i's datums not yet run. reserved: the usual demand (in
+    tokens) of each run that trained a moment ago and will be back with its next operation shortly (it
+    is waiting on its client, or on its optim_step): its share is set aside, so a large operation that
+    finds the worker free for an instant does not fill the whole call and hold that run up.
+    Operations and reservations are visited from the smallest to the largest; each may use an equal
+    share of what is left of `budget`. An operation that fits its share runs whole; a larger one runs
+    the longest prefix of datums that fits. One that got nothing last time (`starved[i]`), or is the only
+    one ready, runs at least one datum, so nothing waits forever; the call may then exceed the budget by at most
+    one datum per such operation.
     """
-    order = sorted(range(len(remaining)), key=lambda i: sum(remaining[i]))
+    demands = [(sum(r), i) for i, r in enumerate(remaining)] + [(d, -1) for d in reserved]
     counts = [0] * len(remaining)
-    left, budget_left = len(order), budget
-    for i in order:
+    left, budget_left = len(demands), budget
+    for demand, i in sorted(demands):
         share = budget_left // left if budget_left > 0 else 0
+        left -= 1
+        if i < 0:  # a reservation: its share stays unused in this call
+            budget_left -= min(demand, share)
+            continue
         used = 0
         for length in remaining[i]:
             if used + length > share:
@@ -94,5 +105,4 @@ def plan_micro_batches(remaining: list[list[int]], budget: int, starved: list[bo
         if counts[i] == 0 and remaining[i] and (starved[i] or len(remaining) == 1):
             counts[i], used = 1, remaining[i][0]
         budget_left -= used
-        left -= 1
     return counts

@@ -13,7 +13,8 @@ import threading
 import time
 from collections import deque
 
-from whitney.engine.lora import LoraConfig, validate_lora_config
+from whitney.engine.backend import Backend
+from whitney.engine.lora import LoraConfig
 from whitney.errors import InvalidInput, WhitneyError
 from whitney.service.keys import KeyRing, KeyLimits
 from whitney.service.store import Store
@@ -21,7 +22,6 @@ from whitney.service.store import Store
 WINDOW = 60.0  # seconds of the tokens-per-minute window
 HELD_RETRY = 10  # Retry-After (s) when usage drops only as the client ends something (sessions, runs)
 QUEUE_RETRY = 1  # Retry-After (s) when operations ahead are running
-BYTES_PER_PARAMETER = 16  # float32 weight + AdamW's two moments + the gradient accumulator
 
 
 class QuotaExceeded(WhitneyError):
@@ -38,18 +38,9 @@ class QuotaExceeded(WhitneyError):
         return {**super().to_dict(), "limit": self.limit, "usage": self.usage}
 
 
-def adapter_bytes(engine, base_model: str, lora: dict) -> int:
-    """The most a run of this LoRA config holds: r * (in + out) numbers per adapted module, each a float32
-    weight, two AdamW moments and a gradient (16 bytes). Sampler versions (frozen copies) are not counted.
-    Validates the config against the model (InvalidInput), as creating the run would."""
-    base = engine.models[base_model]
-    paths = validate_lora_config(LoraConfig.from_dict(lora), base, engine.max_lora_rank)
-    return BYTES_PER_PARAMETER * lora["rank"] * sum(sum(base.linear_shapes[p]) for p in paths)
-
-
 class Quotas:
-    def __init__(self, store: Store, keys: KeyRing, defaults: KeyLimits, engine):
-        self.store, self.keys, self.defaults, self.engine = store, keys, defaults, engine
+    def __init__(self, store: Store, keys: KeyRing, defaults: KeyLimits, backend: Backend):
+        self.store, self.keys, self.defaults, self.backend = store, keys, defaults, backend
         self._tokens: dict[str, deque[tuple[float, int]]] = {}  # owner -> (time, tokens) of the last minute
         self._lock = threading.RLock()  # _spend reads the window while holding it
 
@@ -76,7 +67,7 @@ class Quotas:
 
     def check_run(self, owner: str, base_model: str, lora: dict) -> None:
         limits = self.limits(owner)
-        cost = adapter_bytes(self.engine, base_model, lora)  # also an InvalidInput for a bad config, up front
+        cost = self._adapter_bytes(base_model, lora)  # also an InvalidInput for a bad config, up front
         if not (limits.max_runs or limits.max_adapter_bytes):
             return
         runs = self.store.usage(owner)["runs"]
@@ -95,11 +86,9 @@ class Quotas:
         """Check the queue and token limits for a new operation, and count its tokens (run_id None: a
         sample or compute_logprobs request, in no run's order).
 
-        A retry of a known (run, seq_id) passes: it adds nothing. An operation that a later, already
-        queued seq_id of its run waits for passes the queue limit, or that run could never move again.
+        The store calls it for a new (run, seq_id) only, never for a retry. An operation that a later,
+        already queued seq_id of its run waits for passes the queue limit, or that run could never move again.
         """
-        if run_id is not None and self.store.find_operation(run_id, seq_id) is not None:
-            return
         limits = self.limits(owner)
         if limits.max_queued_operations and (run_id is None or not self.store.queued_after(run_id, seq_id)):
             held = self.store.usage(owner)["operations"]
@@ -140,8 +129,14 @@ class Quotas:
                 window.popleft()
             return window, sum(n for _, n in window)
 
+    def _adapter_bytes(self, base_model: str, lora: dict) -> int:
+        """The most a run of this LoRA config holds: its LoRA numbers, each a float32 weight, two AdamW
+        moments and a gradient (sampler versions, frozen copies, are not counted). Validates the config
+        against the model (InvalidInput), as creating the run would."""
+        return self.backend.adapter_bytes(base_model, LoraConfig.from_dict(lora))
+
     def _run_bytes(self, base_model: str, lora: dict) -> int:
         try:
-            return adapter_bytes(self.engine, base_model, lora)
+            return self._adapter_bytes(base_model, lora)
         except (KeyError, WhitneyError):  # a model no longer served: its runs hold nothing here
             return 0

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from whitney.service.lifecycle import OperationStatus, RunStatus, SessionStatus
+
 
 class Wire(BaseModel):
     """A request body: unknown fields are refused, and no value is coerced to another JSON type."""
@@ -82,7 +84,7 @@ class SessionCreate(Wire):
 
 class Session(Out):
     id: str
-    status: Literal["active", "closed", "expired"]
+    status: SessionStatus
     created_at: float
     last_heartbeat: float
     user_metadata: dict[str, Any]
@@ -115,7 +117,7 @@ class Run(Out):
     session_id: str
     base_model: str
     lora: dict[str, Any]
-    status: str
+    status: RunStatus
     created_at: float
     resume_from: str | None
     resume_with_optimizer: bool
@@ -200,7 +202,7 @@ class Operation(Out):
     run_id: str | None
     seq_id: int | None
     kind: str
-    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    status: OperationStatus
     result: dict[str, Any] | None
     error: dict[str, Any] | None
     created_at: float

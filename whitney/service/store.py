@@ -3,7 +3,8 @@
 The database is the truth a client sees: every poll is answered from it, so after a restart the
 server still answers truthfully. The rules that must survive races are constraints:
   - (run_id, seq_id) is unique: a resubmitted operation resolves to the existing row (safe retries);
-  - (run_id, kind, name, version) is unique for model packages: versions never collide.
+  - (run_id, kind, name, version) is unique for model packages: versions never collide;
+  - a status moves only as whitney.service.lifecycle lists, each move one conditional UPDATE.
 Functions take and return plain dicts; routes and the scheduler never see rows.
 """
 
@@ -14,17 +15,18 @@ import json
 import time
 import uuid
 from contextlib import contextmanager
+from typing import Callable
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint,
-                        create_engine, event, func, select)
+                        create_engine, event, func, select, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from whitney.errors import Conflict, NotFound
+from whitney.service.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE, RUN_MOVES,
+                                       SESSION_MOVES, OperationKind, OperationStatus, RunStatus, SessionStatus,
+                                       sources)
 from whitney.service.text import loads as read_json
-
-TERMINAL = ("succeeded", "failed", "cancelled")
-RUN_TERMINAL = ("finished", "cancelled", "failed", "interrupted")
 
 
 class Base(DeclarativeBase):
@@ -35,7 +37,7 @@ class SessionRow(Base):
     __tablename__ = "sessions"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     owner: Mapped[str] = mapped_column(String(128), index=True)
-    status: Mapped[str] = mapped_column(String(16))  # active | closed | expired
+    status: Mapped[str] = mapped_column(String(16))  # SessionStatus
     created_at: Mapped[float] = mapped_column(Float)
     last_heartbeat: Mapped[float] = mapped_column(Float)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
@@ -48,7 +50,7 @@ class RunRow(Base):
     owner: Mapped[str] = mapped_column(String(128), index=True)
     base_model: Mapped[str] = mapped_column(String(512))
     lora: Mapped[dict] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(16))  # active|finishing|finished|cancelling|cancelled|failed|interrupted
+    status: Mapped[str] = mapped_column(String(16))  # RunStatus, moved only as lifecycle.RUN_MOVES says
     created_at: Mapped[float] = mapped_column(Float)
     # Bound at creation: the checkpoint the run resumes from. Then load_state as seq 0 is refused.
     resume_from: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -66,9 +68,9 @@ class OperationRow(Base):
     # Training operations belong to a run and carry its seq_id; sampling ones have neither order nor run.
     run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id"), index=True, nullable=True)
     seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    kind: Mapped[str] = mapped_column(String(32))
+    kind: Mapped[str] = mapped_column(String(32))  # OperationKind
     body_digest: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), index=True)  # queued|running|succeeded|failed|cancelled
+    status: Mapped[str] = mapped_column(String(16), index=True)  # OperationStatus (lifecycle.OPERATION_MOVES)
     result: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
@@ -141,7 +143,7 @@ class Store:
 
     def create_session(self, owner: str, user_metadata: dict | None = None) -> dict:
         now = time.time()
-        row = SessionRow(id=new_id("ses"), owner=owner, status="active", created_at=now, last_heartbeat=now,
+        row = SessionRow(id=new_id("ses"), owner=owner, status=SessionStatus.ACTIVE, created_at=now, last_heartbeat=now,
                          user_metadata=user_metadata or {})
         with self.tx() as db:
             db.add(row)
@@ -164,20 +166,22 @@ class Store:
             row = db.get(SessionRow, session_id)
             if row is None or row.owner != owner:
                 raise NotFound(f"session {session_id!r} does not exist", field="session_id")
-            if row.status != "active":
+            if row.status != SessionStatus.ACTIVE:
                 raise Conflict(f"session {session_id!r} is {row.status}", field="session_id")
             row.last_heartbeat = time.time()
             return _row_dict(row)
 
-    def end_session(self, session_id: str, status: str) -> None:
+    def end_session(self, session_id: str, status: SessionStatus) -> bool:
+        """Close or expire a session (SESSION_MOVES: only an active one); True if it moved."""
+        status = SessionStatus(status)
         with self.tx() as db:
-            row = db.get(SessionRow, session_id)
-            if row is not None and row.status == "active":
-                row.status = status
+            return db.execute(update(SessionRow).where(SessionRow.id == session_id,
+                                                       SessionRow.status.in_(sources(SESSION_MOVES, status)))
+                              .values(status=status)).rowcount == 1
 
     def idle_sessions(self, older_than: float) -> list[str]:
         with self.tx() as db:
-            rows = db.scalars(select(SessionRow.id).where(SessionRow.status == "active",
+            rows = db.scalars(select(SessionRow.id).where(SessionRow.status == SessionStatus.ACTIVE,
                                                           SessionRow.last_heartbeat < older_than))
             return list(rows)
 
@@ -186,10 +190,10 @@ class Store:
     def create_run(self, session_id: str, owner: str, base_model: str, lora: dict, resume_from: str | None,
                    resume_with_optimizer: bool, user_metadata: dict | None, run_id: str | None = None) -> dict:
         session = self.get_session(session_id, owner)
-        if session["status"] != "active":
+        if session["status"] != SessionStatus.ACTIVE:
             raise Conflict(f"session {session_id!r} is {session['status']}", field="session_id")
         row = RunRow(id=run_id or new_id("run"), session_id=session_id, owner=owner, base_model=base_model, lora=lora,
-                     status="active", created_at=time.time(), resume_from=resume_from,
+                     status=RunStatus.ACTIVE, created_at=time.time(), resume_from=resume_from,
                      resume_with_optimizer=resume_with_optimizer, user_metadata=user_metadata or {})
         with self.tx() as db:
             db.add(row)
@@ -213,41 +217,64 @@ class Store:
         with self.tx() as db:
             return [_row_dict(r) for r in db.scalars(select(RunRow).where(RunRow.session_id == session_id))]
 
-    def set_run_status(self, run_id: str, status: str, error: str | None = None,
-                       only_from: tuple[str, ...] | None = None) -> bool:
-        """Move a run to `status` (if it is in one of `only_from`); True if it moved."""
+    def set_run_status(self, run_id: str, status: RunStatus, error: str | None = None) -> bool:
+        """Move a run to `status` if lifecycle.RUN_MOVES allows it from the run's status now; True if it moved.
+
+        False (nothing changes) is a race lost, not an error: the run ended, or began to, first. The check
+        and the move are one conditional UPDATE, so two racing moves never both succeed."""
+        status = RunStatus(status)  # a ValueError for a name that is no run status: a bug
+        values = {"status": status} if error is None else {"status": status, "error": error}
         with self.tx() as db:
-            row = db.get(RunRow, run_id)
-            if row is None or (only_from is not None and row.status not in only_from):
-                return False
-            row.status = status
-            if error is not None:
-                row.error = error
-            return True
+            return db.execute(update(RunRow).where(RunRow.id == run_id, RunRow.status.in_(sources(RUN_MOVES, status)))
+                              .values(**values)).rowcount == 1
 
     # ---- operations -------------------------------------------------------------------------
 
-    def submit_operation(self, owner: str, run_id: str | None, seq_id: int | None, kind: str,
-                         body_digest: str) -> tuple[dict, bool]:
+    def submit_operation(self, owner: str, run_id: str | None, seq_id: int | None, kind: OperationKind,
+                         body_digest: str, admit: Callable[[], None] | None = None) -> tuple[dict, bool]:
         """Queue (run, seq_id), or return the existing operation if the same body was sent before.
 
-        Returns (operation, created). A different body under a used seq_id is a Conflict.
-        Sampling operations pass run_id/seq_id None and are never deduplicated.
+        Returns (operation, created). The run must be the owner's (NotFound). A run that is not active
+        takes no new seq_id (Conflict) but still answers a retry of one it has; a different body under a
+        used seq_id is a Conflict. `admit` (the quota check) runs only for a new operation, before it is
+        inserted: raising refuses it and nothing is stored. Sampling operations pass run_id/seq_id None
+        and are never deduplicated.
         """
-        row = OperationRow(id=new_id("op"), owner=owner, run_id=run_id, seq_id=seq_id, kind=kind,
-                           body_digest=body_digest, status="queued", created_at=time.time())
+        row = OperationRow(id=new_id("op"), owner=owner, run_id=run_id, seq_id=seq_id, kind=OperationKind(kind),
+                           body_digest=body_digest, status=OperationStatus.QUEUED, created_at=time.time())
         try:
             with self.tx() as db:
+                if run_id is not None:
+                    run = db.get(RunRow, run_id)
+                    if run is None or run.owner != owner:
+                        raise NotFound(f"run {run_id!r} does not exist", field="run_id")
+                    existing = self._same_operation(db, run_id, seq_id, kind, body_digest)
+                    if existing is not None:
+                        return existing, False
+                    if run.status != RunStatus.ACTIVE:
+                        raise Conflict(f"run {run_id!r} is {run.status}; it takes no more operations", field="run_id")
+                if admit is not None:
+                    admit()
                 db.add(row)
             return _row_dict(row), True
-        except IntegrityError:
+        except IntegrityError:  # the same (run, seq_id) committed by a racing request
             with self.tx() as db:
-                existing = db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
-                                                                 OperationRow.seq_id == seq_id)).one()
-                if existing.body_digest != body_digest or existing.kind != kind:
-                    raise Conflict(f"seq_id {seq_id} of run {run_id!r} was already used for a different "
-                                   f"{existing.kind} request", field="seq_id") from None
-                return _row_dict(existing), False
+                existing = self._same_operation(db, run_id, seq_id, kind, body_digest)
+            if existing is None:
+                raise
+            return existing, False
+
+    @staticmethod
+    def _same_operation(db, run_id: str, seq_id: int, kind: str, body_digest: str) -> dict | None:
+        """The operation at (run, seq_id), if any, when it is the same request; a Conflict when it is not."""
+        existing = db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
+                                                         OperationRow.seq_id == seq_id)).first()
+        if existing is None:
+            return None
+        if existing.body_digest != body_digest or existing.kind != kind:
+            raise Conflict(f"seq_id {seq_id} of run {run_id!r} was already used for a different "
+                           f"{existing.kind} request", field="seq_id")
+        return _row_dict(existing)
 
     def get_operation(self, op_id: str, owner: str | None = None) -> dict:
         with self.tx() as db:
@@ -267,36 +294,40 @@ class Store:
             q = select(OperationRow).where(OperationRow.run_id == run_id).order_by(OperationRow.seq_id)
             return [_row_dict(r) for r in db.scalars(q)]
 
-    def set_operation(self, op_id: str, status: str, result: dict | None = None, error: dict | None = None) -> None:
+    def set_operation(self, op_id: str, status: OperationStatus, result: dict | None = None,
+                      error: dict | None = None) -> bool:
+        """Move an operation as lifecycle.OPERATION_MOVES allows (one conditional UPDATE); True if it moved.
+
+        False changes nothing: an operation that ended (cancelled with its run) never starts or ends again."""
+        status, now = OperationStatus(status), time.time()
+        values: dict = {"status": status}
+        if status == OperationStatus.RUNNING:
+            values["started_at"] = now
+        if status in OPERATION_TERMINAL:
+            values.update(finished_at=now, result=result, error=error)
         with self.tx() as db:
-            row = db.get(OperationRow, op_id)
-            row.status = status
-            now = time.time()
-            if status == "running":
-                row.started_at = now
-            if status in TERMINAL:
-                row.finished_at = now
-                row.result, row.error = result, error
+            return db.execute(update(OperationRow).where(OperationRow.id == op_id, OperationRow.status.in_(
+                sources(OPERATION_MOVES, status))).values(**values)).rowcount == 1
 
     def cancel_queued(self, run_id: str, reason: str) -> list[str]:
         """Cancel every queued operation of a run; return their ids."""
         with self.tx() as db:
             rows = list(db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
-                                                              OperationRow.status == "queued")))
+                                                              OperationRow.status == OperationStatus.QUEUED)))
             for row in rows:
-                row.status, row.finished_at = "cancelled", time.time()
+                row.status, row.finished_at = OperationStatus.CANCELLED, time.time()
                 row.error = {"code": "cancelled", "message": reason}
             return [r.id for r in rows]
 
     def recover_after_restart(self) -> None:
         """Operations that were queued or running when the process died failed; their runs are interrupted."""
         with self.tx() as db:
-            for row in db.scalars(select(OperationRow).where(OperationRow.status.in_(("queued", "running")))):
-                row.status, row.finished_at = "failed", time.time()
+            for row in db.scalars(select(OperationRow).where(OperationRow.status.in_(OPERATION_PENDING))):
+                row.status, row.finished_at = OperationStatus.FAILED, time.time()
                 row.error = {"code": "server_restarted", "message": "server restarted before this operation ran",
                              "category": "server"}
-            for row in db.scalars(select(RunRow).where(RunRow.status.notin_(RUN_TERMINAL))):
-                row.status = "interrupted"
+            for row in db.scalars(select(RunRow).where(RunRow.status.in_(sources(RUN_MOVES, RunStatus.INTERRUPTED)))):
+                row.status = RunStatus.INTERRUPTED
                 row.error = "server restarted; resume from the newest checkpoint with a new run"
 
     # ---- model packages ---------------------------------------------------------------------
@@ -328,6 +359,19 @@ class Store:
             if kind is not None:
                 q = q.where(PackageRow.kind == kind)
             return [_row_dict(r) for r in db.scalars(q.order_by(PackageRow.created_at))]
+
+    def sampler_version(self, run_id: str, version: int) -> dict | None:
+        """The package that run's save_weights_for_sampler wrote for `version` (deleted ones included:
+        a live run still holds the version in memory), or None if the run has no such version."""
+        with self.tx() as db:
+            ops = db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
+                                                        OperationRow.kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                                                        OperationRow.status == OperationStatus.SUCCEEDED))
+            for op in ops:
+                if (op.result or {}).get("version") == version:
+                    row = db.get(PackageRow, op.result["package"]["id"])
+                    return _row_dict(row) if row is not None else None
+        return None
 
     def delete_package(self, package_id: str, owner: str) -> dict:
         with self.tx() as db:
@@ -374,11 +418,11 @@ class Store:
         operations queued or running. Closed, expired, finished, cancelled or failed ones hold nothing."""
         with self.tx() as db:
             sessions = db.scalar(select(func.count()).select_from(SessionRow).where(
-                SessionRow.owner == owner, SessionRow.status == "active"))
+                SessionRow.owner == owner, SessionRow.status == SessionStatus.ACTIVE))
             runs = db.execute(select(RunRow.base_model, RunRow.lora).where(
-                RunRow.owner == owner, RunRow.status.notin_(RUN_TERMINAL))).all()
+                RunRow.owner == owner, RunRow.status.in_(RUN_LIVE))).all()
             operations = db.scalar(select(func.count()).select_from(OperationRow).where(
-                OperationRow.owner == owner, OperationRow.status.in_(("queued", "running"))))
+                OperationRow.owner == owner, OperationRow.status.in_(OPERATION_PENDING)))
             return {"sessions": sessions, "runs": [(b, lora) for b, lora in runs], "operations": operations}
 
     def queued_after(self, run_id: str, seq_id: int) -> bool:
@@ -386,7 +430,7 @@ class Store:
         with self.tx() as db:
             return db.scalars(select(OperationRow.id).where(
                 OperationRow.run_id == run_id, OperationRow.seq_id > seq_id,
-                OperationRow.status == "queued").limit(1)).first() is not None
+                OperationRow.status == OperationStatus.QUEUED).limit(1)).first() is not None
 
 
 def digest(body: dict) -> str:

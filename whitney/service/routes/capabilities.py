@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from whitney.engine import LOSS_CONFIG_KEYS
 from whitney.service.deps import Owner, State
-from whitney.service.scheduler import TRAINING_KINDS
+from whitney.service.lifecycle import SAMPLING_KINDS, TRAINING_KINDS
 
 router = APIRouter(prefix="/v1", tags=["capabilities"])
 health = APIRouter(tags=["health"])
@@ -16,23 +16,25 @@ health = APIRouter(tags=["health"])
 
 @router.get("/training/capabilities")
 def capabilities(st: State) -> dict:
-    engine = st.scheduler.engine
+    config = st.scheduler.backend.config
     return {
         "models": [{
             "name": name,
-            "context_length": engine.models[name].config.max_context,
-            "vocab_size": engine.models[name].config.vocab_size,
+            "context_length": info.max_context,
+            "vocab_size": info.vocab_size,
             "trainable": True,
             "sampleable": True,
-            "max_lora_rank": engine.max_lora_rank,
-            "compute_dtype": engine.compute_dtype_name,
-        } for name in st.models],
-        "operations": [*TRAINING_KINDS, "sample", "compute_logprobs"],
+            "max_lora_rank": config.max_lora_rank,
+            "compute_dtype": info.compute_dtype,
+            "device": info.device,
+            "adaptable_modules": list(info.adaptable_modules),
+        } for name, info in ((name, st.model_info(name)) for name in st.models)],
+        "operations": [*TRAINING_KINDS, *SAMPLING_KINDS],
         "loss_functions": {name: list(keys) for name, keys in LOSS_CONFIG_KEYS.items()},
         "limits": {
             **st.limits.as_dict(),
-            "max_concurrent_sequences": engine.max_sequences,
-            "max_cached_tokens": engine.max_cached_tokens,
+            "max_concurrent_sequences": config.max_sequences,
+            "max_cached_tokens": config.max_cached_tokens,
         },
         "features": {"gradient_scale_v1": True, "lora_plus": True, "soft_targets": True, "opsd": True},
     }

@@ -4,54 +4,54 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from whitney.engine import ForwardRequest
+from whitney.engine import AdamParams, ForwardRequest
 from whitney.errors import Conflict, InvalidInput
 from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.limits import check_operation
-from whitney.service.scheduler import build_datums, datum_length
-from whitney.service.store import TERMINAL, digest
+from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, SaveJob, build_datums, datum_length
+from whitney.service.lifecycle import OPERATION_TERMINAL, OperationKind, RunStatus
+from whitney.service.store import digest
 
 router = APIRouter(prefix="/v1", tags=["operations"])
 MAX_WAIT = 30.0
 
 
-def submit(st: ServiceState, who: str, run_id: str, kind: str, body: schemas.Wire, payload: dict) -> dict:
-    """Record (run, seq_id) in the store (a retry with the same body returns the same operation) and queue it."""
-    active_run(st, who, run_id, body.seq_id)
-    st.quotas.admit_operation(who, run_id, body.seq_id, payload.get("tokens", 0))  # 429 over the key's quota
-    op, created = st.store.submit_operation(who, run_id, body.seq_id, kind,
-                                            digest({"kind": kind, **body.model_dump()}))
-    if created:
-        st.scheduler.submit(op, payload)
+def submit(st: ServiceState, who: str, run_id: str, kind: str, body: schemas.Wire, job: Job | None) -> dict:
+    """`enqueue` a native request: its digest is the body's."""
+    return enqueue(st, who, run_id, body.seq_id, kind, digest({"kind": kind, **body.model_dump()}), job)
+
+
+def enqueue(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str,
+            job: Job | None) -> dict:
+    """Record (run, seq_id) in the store (a retry with the same body returns the same operation) and queue
+    its job (None: only a retry of an ended run's operation, which is never queued again). Shared with
+    the Tinker routes. The store checks the run (404, 409 once it has ended) and the quota (429, never for
+    a retry) in the one call."""
+    tokens = job.tokens if isinstance(job, ForwardJob) else 0
+    op, created = st.store.submit_operation(who, run_id, seq_id, kind, body_digest,
+                                            admit=lambda: st.quotas.admit_operation(who, run_id, seq_id, tokens))
+    if created and job is not None:
+        st.scheduler.submit(op, job)
     return op
 
 
-def active_run(st: ServiceState, who: str, run_id: str, seq_id: int) -> dict:
-    """The run, if it takes operations. A finished run still answers retries of seq_ids it already has."""
-    run = st.store.get_run(run_id, who)
-    if run["status"] != "active" and st.store.find_operation(run_id, seq_id) is None:
-        raise Conflict(f"run {run_id!r} is {run['status']}; it takes no more operations", field="run_id")
-    return run
-
-
 def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPayload, backward: bool) -> dict:
-    run = active_run(st, who, run_id, body.seq_id)
-    kind = "forward_backward" if backward else "forward"
-    if run["status"] != "active":  # a retry of a seq_id the ended run has: its operation, though the adapter is gone
-        return submit(st, who, run_id, kind, body, {})
+    run = st.store.get_run(run_id, who)
+    kind = OperationKind.FORWARD_BACKWARD if backward else OperationKind.FORWARD
+    if run["status"] != RunStatus.ACTIVE:  # only a retry of a seq_id the ended run has (the store refuses others)
+        return submit(st, who, run_id, kind, body, None)
     data = build_datums([d.model_dump() for d in body.data])
-    check_operation(st.limits, [datum_length(d) for d in data])  # before the engine looks at any of it
-    request = ForwardRequest(run_id, data, body.loss_function, body.loss_config, run["base_model"])
+    lengths = [datum_length(d) for d in data]
+    check_operation(st.limits, lengths)  # before the backend looks at any of it
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
     try:
-        tokens = st.scheduler.engine.validate(request, backward)
+        st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, body.loss_config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
             e.field = "loss_function"
         raise
-    payload = {"data": data, "loss_fn": body.loss_function, "loss_config": body.loss_config, "tokens": tokens}
-    return submit(st, who, run_id, kind, body, payload)
+    return submit(st, who, run_id, kind, body, ForwardJob(data, body.loss_function, body.loss_config, lengths))
 
 
 @router.post("/runs/{run_id}/forward_backward", response_model=schemas.Operation, status_code=202)
@@ -68,10 +68,8 @@ def forward(run_id: str, body: schemas.ForwardPayload, st: State, who: Owner):
 
 @router.post("/runs/{run_id}/optim_step", response_model=schemas.Operation, status_code=202)
 def optim_step(run_id: str, body: schemas.OptimStep, st: State, who: Owner):
-    from whitney.engine import AdamParams
-
-    AdamParams.from_dict(body.adam_params.model_dump())  # range checks now: a 400, not a failed operation
-    return submit(st, who, run_id, "optim_step", body, {"adam_params": body.adam_params.model_dump()})
+    job = OptimJob(AdamParams.from_dict(body.adam_params.model_dump()))  # range checks now: a 400, not a failure later
+    return submit(st, who, run_id, OperationKind.OPTIM_STEP, body, job)
 
 
 def _load(st: ServiceState, who: str, run_id: str, body: schemas.LoadState, with_optimizer: bool) -> dict:
@@ -85,8 +83,8 @@ def _load(st: ServiceState, who: str, run_id: str, body: schemas.LoadState, with
                            field="checkpoint_id")
     if with_optimizer and not package["has_optimizer"]:
         raise InvalidInput("the checkpoint has no optimizer state; use load_state", field="checkpoint_id")
-    kind = "load_state_with_optimizer" if with_optimizer else "load_state"
-    return submit(st, who, run_id, kind, body, {"path": package["path"], "checkpoint_id": package["id"]})
+    kind = OperationKind.LOAD_STATE_WITH_OPTIMIZER if with_optimizer else OperationKind.LOAD_STATE
+    return submit(st, who, run_id, kind, body, LoadJob(package["path"], package["id"]))
 
 
 @router.post("/runs/{run_id}/load_state", response_model=schemas.Operation, status_code=202)
@@ -103,23 +101,23 @@ def load_state_with_optimizer(run_id: str, body: schemas.LoadState, st: State, w
 
 @router.post("/runs/{run_id}/save_state", response_model=schemas.Operation, status_code=202)
 def save_state(run_id: str, body: schemas.SaveState, st: State, who: Owner):
-    return submit(st, who, run_id, "save_state", body, {"name": body.name, "include_optimizer": body.include_optimizer})
+    return submit(st, who, run_id, OperationKind.SAVE_STATE, body, SaveJob(body.name, include_optimizer=body.include_optimizer))
 
 
 @router.post("/runs/{run_id}/save_weights", response_model=schemas.Operation, status_code=202)
 def save_weights(run_id: str, body: schemas.SaveWeights, st: State, who: Owner):
-    return submit(st, who, run_id, "save_weights", body, {"name": body.name, "merge": body.merge})
+    return submit(st, who, run_id, OperationKind.SAVE_WEIGHTS, body, SaveJob(body.name, merge=body.merge))
 
 
 @router.post("/runs/{run_id}/export_lora", response_model=schemas.Operation, status_code=202)
 def export_lora(run_id: str, body: schemas.ExportLora, st: State, who: Owner):
-    return submit(st, who, run_id, "export_lora", body, {"name": body.name})
+    return submit(st, who, run_id, OperationKind.EXPORT_LORA, body, SaveJob(body.name))
 
 
 @router.post("/runs/{run_id}/save_weights_for_sampler", response_model=schemas.Operation, status_code=202)
 def save_weights_for_sampler(run_id: str, body: schemas.SaveForSampler, st: State, who: Owner):
     """Snapshot the adapter as the next sampler version; sampling that version never sees later training."""
-    return submit(st, who, run_id, "save_weights_for_sampler", body, {})
+    return submit(st, who, run_id, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER, body, SaveJob())
 
 
 @router.get("/runs/{run_id}/operations", response_model=list[schemas.Operation])
@@ -133,7 +131,7 @@ async def get_operation(op_id: str, st: State, who: Owner,
                         wait: float = Query(0.0, ge=0.0, le=MAX_WAIT, description="long-poll up to this many seconds")):
     """An operation's state; with `wait`, held until it is terminal or the wait ends."""
     op = st.store.get_operation(op_id, who)
-    if wait > 0 and op["status"] not in TERMINAL:
+    if wait > 0 and op["status"] not in OPERATION_TERMINAL:
         await st.scheduler.wait(op_id, wait)
         op = st.store.get_operation(op_id, who)
     return op

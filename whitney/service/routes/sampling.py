@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from whitney.engine.backend import Weights
 from whitney.engine.sampler import SamplingParams, validate
 from whitney.errors import InvalidInput, NotFound
 from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.lifecycle import RUN_OPEN, OperationKind
 from whitney.service.limits import check_operation, check_stops
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
 
-def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[dict, str]:
-    """Engine weights for a reference (a run's sampler version, a checkpoint, or a base model), and its base."""
+def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[Weights, str]:
+    """Backend weights for a reference (a run's sampler version, a checkpoint, or a base model), and its base.
+
+    A run's versions are its sampler packages (save_weights_for_sampler registers each): a live run
+    samples the version it holds in memory, an ended one the package on disk."""
     given = [k for k in ("run_id", "checkpoint_id", "base_model") if getattr(ref, k) is not None]
     if len(given) > 1:
         raise InvalidInput(f"name one source of weights, not {given}", field=given[1])
@@ -22,17 +27,15 @@ def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[dict, 
         run = st.store.get_run(ref.run_id, who)
         if ref.version is None:
             raise InvalidInput("sampling a run needs a version from save_weights_for_sampler", field="version")
-        live = st.scheduler.engine.runs.get(ref.run_id)
-        if live is not None:
-            # Checked now, as for an ended run below: a 404, not a queued operation that fails later.
-            if ref.version not in live.sampler_versions:
-                raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
-            return {"run_id": ref.run_id, "version": ref.version}, run["base_model"]
-        # The run has ended: its versions live on as sampler packages.
-        for package in st.store.list_packages(who, run["id"], "sampler"):
-            if package["name"] == str(ref.version):
-                return {"checkpoint_path": package["path"]}, run["base_model"]
-        raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
+        # Checked now: a 404, not a queued operation that fails later.
+        version = st.store.sampler_version(run["id"], ref.version)
+        if version is None:
+            raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
+        if run["status"] in RUN_OPEN:  # the backend holds the run, and so the version, in memory
+            return Weights(run_id=ref.run_id, version=ref.version), run["base_model"]
+        if version["deleted"]:  # the run has ended and the version's package was deleted with it
+            raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
+        return Weights(checkpoint_path=version["path"]), run["base_model"]
     if ref.version is not None:
         raise InvalidInput("version goes with run_id", field="version")
     if ref.checkpoint_id is not None:
@@ -40,11 +43,11 @@ def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[dict, 
         if package["kind"] not in ("state", "sampler"):
             raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export; sample from a saved "
                                "state or sampler version", field="checkpoint_id")
-        return {"checkpoint_path": package["path"]}, package["base_model"]
+        return Weights(checkpoint_path=package["path"]), package["base_model"]
     base_model = ref.base_model or st.models[0]
     if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
-    return {"base_model": base_model}, base_model
+    return Weights(base_model=base_model), base_model
 
 
 @router.post("/samples", response_model=schemas.Operation, status_code=202)
@@ -64,10 +67,10 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
     """Validate and queue one sampling operation; shared with the Tinker routes."""
     check_stops(st.limits, params.stop)
     weights, base_model = resolve(st, who, ref)
-    engine = st.scheduler.engine
-    validate(prompt, params, engine.models[base_model], engine.max_sequences)  # a 400 now, not a failure later
+    # A 400 now, not a failure later.
+    validate(prompt, params, st.model_info(base_model), st.scheduler.backend.config.max_sequences)
     st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
-    op, _ = st.store.submit_operation(who, None, None, "sample", "")
+    op, _ = st.store.submit_operation(who, None, None, OperationKind.SAMPLE, "")
     st.scheduler.submit_sample(op, prompt, params, weights)
     return op
 
@@ -77,12 +80,12 @@ def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
     """Per-token log-probs of given sequences (the first position has none)."""
     check_operation(st.limits, [len(s) for s in body.sequences], field="sequences")
     weights, base_model = resolve(st, who, body)
-    config = st.scheduler.engine.models[base_model].config
+    config = st.model_info(base_model)
     for i, seq in enumerate(body.sequences):
         if not seq or len(seq) > config.max_context or not all(0 <= t < config.vocab_size for t in seq):
             raise InvalidInput(f"sequence {i} must hold 1 to {config.max_context} token ids in "
                                f"[0, {config.vocab_size})", field="sequences", datum_index=i)
     st.quotas.admit_operation(who, None, None, sum(len(s) for s in body.sequences))  # 429 over the key's quota
-    op, _ = st.store.submit_operation(who, None, None, "compute_logprobs", "")
+    op, _ = st.store.submit_operation(who, None, None, OperationKind.COMPUTE_LOGPROBS, "")
     st.scheduler.submit_logprobs(op, body.sequences, weights)
     return op

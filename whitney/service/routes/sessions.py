@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from whitney.errors import Conflict, InvalidInput
 from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.lifecycle import RunStatus, SessionStatus
 from whitney.service.limits import check_metadata
 from whitney.service.store import new_id
 
@@ -41,10 +42,9 @@ def heartbeat(session_id: str, st: State, who: Owner):
 def close_session(session_id: str, st: State, who: Owner):
     """Close a session: its runs are cancelled."""
     st.store.get_session(session_id, who)
-    st.store.end_session(session_id, "closed")
+    st.store.end_session(session_id, SessionStatus.CLOSED)
     for run in st.store.runs_of_session(session_id):
-        if run["status"] in ("active", "finishing"):
-            st.store.set_run_status(run["id"], "cancelling")
+        if st.store.set_run_status(run["id"], RunStatus.CANCELLING):  # an active or finishing run
             st.scheduler.cancel_run(run["id"], "session closed")
     return st.store.get_session(session_id, who)
 
@@ -60,7 +60,7 @@ async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.Ru
     """Create a run (adapter in the engine first, then the row); shared with the Tinker routes."""
     check_metadata(st.limits, body.user_metadata)
     session = st.store.get_session(session_id, who)
-    if session["status"] != "active":
+    if session["status"] != SessionStatus.ACTIVE:
         raise Conflict(f"session {session_id!r} is {session['status']}", field="session_id")
     base_model, lora, resume_path = body.base_model, body.lora.model_dump(), None
     if body.resume_from is not None:
@@ -102,10 +102,9 @@ def get_run(run_id: str, st: State, who: Owner):
 @router.post("/runs/{run_id}/finish", response_model=schemas.Run)
 async def finish_run(run_id: str, st: State, who: Owner):
     """Run what is queued, then mark the run finished (finished at once when nothing is queued)."""
-    run = st.store.get_run(run_id, who)
-    if run["status"] != "active":
-        raise Conflict(f"run {run_id!r} is {run['status']}", field="run_id")
-    st.store.set_run_status(run_id, "finishing", only_from=("active",))
+    st.store.get_run(run_id, who)
+    if not st.store.set_run_status(run_id, RunStatus.FINISHING):  # only an active run
+        raise Conflict(f"run {run_id!r} is {st.store.get_run(run_id)['status']}", field="run_id")
     await asyncio.wrap_future(st.scheduler.finish_run(run_id))
     return st.store.get_run(run_id, who)
 
@@ -113,8 +112,7 @@ async def finish_run(run_id: str, st: State, who: Owner):
 @router.post("/runs/{run_id}/cancel", response_model=schemas.Run)
 def cancel_run(run_id: str, st: State, who: Owner):
     """Cancel queued operations; the running one ends; the run becomes cancelled."""
-    run = st.store.get_run(run_id, who)
-    if run["status"] in ("active", "finishing"):
-        st.store.set_run_status(run_id, "cancelling")
+    st.store.get_run(run_id, who)
+    if st.store.set_run_status(run_id, RunStatus.CANCELLING):  # an active or finishing run
         st.scheduler.cancel_run(run_id)
     return st.store.get_run(run_id, who)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from whitney.errors import InvalidInput, NotFound, WhitneyError
 from whitney.service import schemas
 from whitney.service.deps import ServiceState
+from whitney.service.lifecycle import OperationStatus
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # the native package-name rule
 SEGMENT_KIND = {"weights": "state", "sampler_weights": "sampler"}
@@ -105,7 +106,7 @@ def sampler_ref(st: ServiceState, sampler: Sampler) -> schemas.WeightsRef:
     """The native weights reference a sampler samples from."""
     if sampler.op_id is not None:
         op = st.store.get_operation(sampler.op_id)
-        if op["status"] != "succeeded":
+        if op["status"] != OperationStatus.SUCCEEDED:
             raise InvalidInput(f"the weights of this sampler were not saved (save_weights_for_sampler "
                                f"is {op['status']})", field="sampling_session_id")
         return schemas.WeightsRef(run_id=op["run_id"], version=op["result"]["version"])

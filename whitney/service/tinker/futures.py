@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from whitney.service.deps import Owner, State
-from whitney.service.store import TERMINAL
+from whitney.service.lifecycle import OPERATION_TERMINAL, OperationKind, OperationStatus
 from whitney.service.tinker import proto, training
 from whitney.service.tinker.common import Tinker, TinkerBody
 
@@ -35,18 +35,18 @@ class FutureRef(TinkerBody):
             "queue_state": {"type": "string"}}}}}}})
 async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
     op = st.store.get_operation(body.request_id, who)
-    if op["status"] not in TERMINAL:
+    if op["status"] not in OPERATION_TERMINAL:
         await st.scheduler.wait(op["id"], MAX_WAIT)
         op = st.store.get_operation(op["id"], who)
-    if op["status"] not in TERMINAL:
+    if op["status"] not in OPERATION_TERMINAL:
         return JSONResponse(status_code=408, content={"type": "try_again", "request_id": op["id"],
                                                       "queue_state": "active"})
-    if op["status"] != "succeeded":
+    if op["status"] != OperationStatus.SUCCEEDED:
         error = op["error"] or {}
         return {"error": error.get("message", op["status"]), "category": error.get("category", "user")}
-    if op["kind"] in ("forward", "forward_backward"):
+    if op["kind"] in (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD):
         return Response(proto.encode_forward_backward_output(op["result"]), media_type=PROTOBUF)
-    if op["kind"] == "sample":
+    if op["kind"] == OperationKind.SAMPLE:
         return Response(proto.encode_sample_response(op["result"], ts.last_n.get(op["id"])), media_type=PROTOBUF)
     out = training.result(op, st)
     sampler_id = ts.sampler_of_op.get(op["id"])

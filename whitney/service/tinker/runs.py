@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from whitney.errors import NotFound
 from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.lifecycle import RunStatus
 from whitney.service.tinker.common import (SEGMENT_KIND, TinkerBody, checkpoint, iso, packages_named,
                                            resolve_path)
 
@@ -32,7 +33,7 @@ def training_run(st: ServiceState, who: str, run: dict) -> dict:
     times = [run["created_at"]] + [p["created_at"] for p in packages]
     metadata = {k: v for k, v in (run["user_metadata"] or {}).items()}
     return {"training_run_id": run["id"], "base_model": run["base_model"], "model_owner": who or "local",
-            "is_lora": True, "corrupted": run["status"] == "failed", "lora_rank": run["lora"]["rank"],
+            "is_lora": True, "corrupted": run["status"] == RunStatus.FAILED, "lora_rank": run["lora"]["rank"],
             "last_request_time": iso(max(times)), "last_checkpoint": last["state"],
             "last_sampler_checkpoint": last["sampler"], "user_metadata": metadata}
 

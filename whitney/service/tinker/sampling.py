@@ -117,7 +117,7 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     max_tokens = p.max_tokens
     if max_tokens is None:  # until a stop or the end of the context
         _, base_model = resolve(st, who, ref)
-        max_tokens = st.scheduler.engine.models[base_model].config.max_context - len(prompt)
+        max_tokens = st.model_info(base_model).max_context - len(prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                             seed=p.seed, stop=stop, num_samples=body.num_samples,
                             prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from whitney.errors import Conflict
 from whitney.service import schemas
 from whitney.service.deps import Owner, State
+from whitney.service.lifecycle import RunStatus, SessionStatus
 from whitney.service.limits import check_metadata
 from whitney.service.tinker.common import Tinker, TinkerBody
 
@@ -35,8 +36,7 @@ def healthz() -> dict:
 
 @router.get("/get_server_capabilities")
 def get_server_capabilities(st: State) -> dict:
-    engine = st.scheduler.engine
-    return {"supported_models": [{"model_name": name, "max_context_length": engine.models[name].config.max_context,
+    return {"supported_models": [{"model_name": name, "max_context_length": st.model_info(name).max_context,
                                   "trainable": True, "sampleable": True} for name in st.models]}
 
 
@@ -82,9 +82,9 @@ def telemetry() -> dict:
 async def finish_session(session_id: str, st: State, who: Owner) -> dict:
     """End the session: each active run finishes (what it has queued still runs). First finish wins."""
     st.store.get_session(session_id, who)
-    st.store.end_session(session_id, "closed")
+    st.store.end_session(session_id, SessionStatus.CLOSED)
     for run in st.store.runs_of_session(session_id):
-        if st.store.set_run_status(run["id"], "finishing", only_from=("active",)):
+        if st.store.set_run_status(run["id"], RunStatus.FINISHING):  # an active run
             await asyncio.wrap_future(st.scheduler.finish_run(run["id"]))
     return {}
 

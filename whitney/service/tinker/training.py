@@ -14,13 +14,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from whitney.engine import AdamParams
+from whitney.engine.backend import Failure
 from whitney.errors import InvalidInput, WhitneyError
 from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
-from whitney.service.routes.operations import active_run
-from whitney.service.routes.sessions import open_run
+from whitney.service.lifecycle import OperationKind, OperationStatus
 from whitney.service.limits import check_operation
-from whitney.service.scheduler import build_datums, datum_length
+from whitney.service.routes.operations import enqueue
+from whitney.service.routes.sessions import open_run
+from whitney.service.jobs import (ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob, build_datums,
+                                  datum_length)
 from whitney.service.store import digest
 from whitney.service.tinker import proto
 from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, model_id, native_seq,
@@ -34,23 +38,20 @@ def future(op: dict, **extra: Any) -> dict:
     return {"request_id": op["id"], **extra}
 
 
-def finished_op(st: ServiceState, who: str, kind: str, result: dict) -> dict:
+def finished_op(st: ServiceState, who: str, kind: OperationKind, result: dict) -> dict:
     """An operation that is done when created (create_model, create-by-load), so retrieve_future answers it."""
     op, _ = st.store.submit_operation(who, None, None, kind, "")
-    st.store.set_operation(op["id"], "succeeded", result={"tinker": result})
+    st.store.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"tinker": result})
     return op
 
 
-def submit(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str,
-           payload: dict) -> dict:
+def submit(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str, job: Job) -> dict:
     """Record (run, native seq_id) and queue it; a resend with the same body is the same operation."""
-    seq = native_seq(seq_id)
-    active_run(st, who, run_id, seq)
-    st.quotas.admit_operation(who, run_id, seq, payload.get("tokens", 0))  # 429 over the key's quota
-    op, created = st.store.submit_operation(who, run_id, seq, kind, digest({"kind": kind, "body": body_digest}))
-    if created:
-        st.scheduler.submit(op, payload)
-    return op
+    return enqueue(st, who, run_id, native_seq(seq_id), kind, digest({"kind": kind, "body": body_digest}), job)
+
+
+def refused(error: WhitneyError) -> Refused:
+    return Refused(Failure.of(error))
 
 
 # ---- models --------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ async def create_model(body: CreateModel, st: State, who: Owner) -> dict:
                                 train_unembed=lora.train_unembed)
         await open_run(st, who, body.session_id, schemas.RunCreate(
             base_model=served(st, body.base_model), lora=spec, user_metadata=body.user_metadata or {}), run_id)
-    op = finished_op(st, who, "create_model", {"model_id": run_id, "type": "create_model"})
+    op = finished_op(st, who, OperationKind.CREATE_MODEL, {"model_id": run_id, "type": "create_model"})
     return future(op, model_id=run_id)
 
 
@@ -124,12 +125,12 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
                            "for them)", field="content-encoding")
     raw = await request.body()
     req = proto.decode_forward_backward(raw)
-    kind = "forward" if req.forward_only else "forward_backward"
+    kind = OperationKind.FORWARD if req.forward_only else OperationKind.FORWARD_BACKWARD
     data = build_datums(req.data)
-    tokens = check_operation(st.limits, [datum_length(d) for d in data])
-    payload = {"data": data, "loss_fn": req.loss_fn, "loss_config": loss_config(req.loss_fn, req.loss_fn_config),
-               "tokens": tokens}
-    op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), payload)
+    lengths = [datum_length(d) for d in data]
+    check_operation(st.limits, lengths)
+    job = ForwardJob(data, req.loss_fn, loss_config(req.loss_fn, req.loss_fn_config), lengths)
+    op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), job)
     return future(op, model_id=req.model_id)
 
 
@@ -146,12 +147,14 @@ ADAM_KEYS = {"learning_rate": "learning_rate", "beta1": "beta1", "beta2": "beta2
 
 @router.post("/optim_step")
 def optim_step(body: OptimStep, st: State, who: Owner) -> dict:
-    payload: dict[str, Any]
-    if body.adam_params is None:
-        payload = {"error": InvalidInput("only adam_params are supported", field="optimizer_params")}
-    else:
-        payload = {"adam_params": {ADAM_KEYS[k]: v for k, v in body.adam_params.items() if k in ADAM_KEYS}}
-    op = submit(st, who, body.model_id, body.seq_id, "optim_step", digest(body.model_dump()), payload)
+    job: Job
+    try:
+        if body.adam_params is None:
+            raise InvalidInput("only adam_params are supported", field="optimizer_params")
+        job = OptimJob(AdamParams.from_dict({ADAM_KEYS[k]: v for k, v in body.adam_params.items() if k in ADAM_KEYS}))
+    except WhitneyError as e:
+        job = refused(e)
+    op = submit(st, who, body.model_id, body.seq_id, OperationKind.OPTIM_STEP, digest(body.model_dump()), job)
     return future(op, model_id=body.model_id)
 
 
@@ -168,29 +171,29 @@ class SaveWeights(TinkerBody):
     user_metadata: dict[str, Any] | None = None
 
 
-def _name_payload(name: str | None, **payload: Any) -> dict:
+def _save_job(name: str | None, **options: Any) -> Job:
     if name is not None and not NAME.match(name):
-        return {"error": InvalidInput(f"checkpoint name {name!r} must be 1-200 of A-Z a-z 0-9 . _ -", field="path")}
-    return {**payload, **({"name": name} if name is not None else {})}
+        return refused(InvalidInput(f"checkpoint name {name!r} must be 1-200 of A-Z a-z 0-9 . _ -", field="path"))
+    return SaveJob(name, **options)
 
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeights, st: State, who: Owner) -> dict:
     """save_state: adapter and optimizer, as tinker://{model_id}/weights/{name}."""
     name = body.path if body.path is not None else f"state-{body.seq_id}"
-    payload = _name_payload(name, include_optimizer=True)
+    job = _save_job(name, include_optimizer=True)
     if not body.overwrite and packages_named(st, who, body.model_id, "state", name):
-        payload = {"error": InvalidInput(f"checkpoint {name!r} exists; save with overwrite=True to replace it",
-                                         field="path")}
-    op = submit(st, who, body.model_id, body.seq_id, "save_state", digest(body.model_dump()), payload)
+        job = refused(InvalidInput(f"checkpoint {name!r} exists; save with overwrite=True to replace it",
+                                   field="path"))
+    op = submit(st, who, body.model_id, body.seq_id, OperationKind.SAVE_STATE, digest(body.model_dump()), job)
     return future(op, model_id=body.model_id)
 
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveWeights, st: State, who: Owner, ts: Tinker) -> dict:
     """A frozen sampler version: named (a tinker:// path comes back) or not (a sampling session comes back)."""
-    op = submit(st, who, body.model_id, body.seq_id, "save_weights_for_sampler", digest(body.model_dump()),
-                _name_payload(body.path))
+    op = submit(st, who, body.model_id, body.seq_id, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                digest(body.model_dump()), _save_job(body.path))
     if body.path is None:
         run = st.store.get_run(body.model_id, who)
         sampler_id = f"{body.model_id}:sampler:{body.seq_id}"
@@ -217,7 +220,7 @@ class LoadWeights(TinkerBody):
 async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
     """Into an existing model (model_id + seq_id: load_state in order), or a new model created from the
     checkpoint (session_id + model_seq_id: base model and LoRA config come from the checkpoint)."""
-    kind = "load_state_with_optimizer" if body.optimizer else "load_state"
+    kind = OperationKind.LOAD_STATE_WITH_OPTIMIZER if body.optimizer else OperationKind.LOAD_STATE
     if body.session_id is not None:
         if body.model_id is not None:
             raise InvalidInput("give model_id or session_id, not both", field="session_id")
@@ -241,10 +244,10 @@ async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
         package = resolve_path(st, who, body.path)
         if body.optimizer and not package["has_optimizer"]:
             raise InvalidInput("the checkpoint has no optimizer state; use load_state", field="path")
-        payload = {"path": package["path"], "checkpoint_id": package["id"]}
+        job: Job = LoadJob(package["path"], package["id"])
     except WhitneyError as e:
-        payload = {"error": e}
-    op = submit(st, who, body.model_id, body.seq_id, kind, digest(body.model_dump()), payload)
+        job = refused(e)
+    op = submit(st, who, body.model_id, body.seq_id, kind, digest(body.model_dump()), job)
     return future(op, model_id=body.model_id)
 
 
@@ -254,13 +257,13 @@ def result(op: dict, st: ServiceState) -> dict:
     if "tinker" in r:
         return r["tinker"]
     kind = op["kind"]
-    if kind == "optim_step":
+    if kind == OperationKind.OPTIM_STEP:
         return {"metrics": r.get("metrics") or {}}
-    if kind == "save_state":
+    if kind == OperationKind.SAVE_STATE:
         return {"path": tinker_path(r["package"]), "type": "save_weights"}
-    if kind == "save_weights_for_sampler":
+    if kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER:
         return {"path": tinker_path(r["package"]), "type": "save_weights_for_sampler"}
-    if kind in ("load_state", "load_state_with_optimizer"):
+    if kind in (OperationKind.LOAD_STATE, OperationKind.LOAD_STATE_WITH_OPTIMIZER):
         try:
             path = tinker_path(st.store.get_package(r["checkpoint_id"]))
         except WhitneyError:  # deleted since: the load happened all the same

@@ -1,0 +1,228 @@
+"""The scheduler driven by a small fake backend (no torch, no model): the Backend protocol is all it needs.
+
+The fake answers every call with numbers derived from its input (a forward's loss is its token count, a
+run's gradient the tokens it has seen), records the calls it gets, and fails on demand, so each test
+checks one rule of the scheduler: seq_id order, cross-run batches, micro-batches and staged gradients,
+sampling by request id with failures isolated, a backend bug answered as a server error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from whitney.engine import AdamParams, Datum, DatumOutput, ForwardResult
+from whitney.engine.backend import Backend, EngineConfig, Failure, InProcessBackend, ModelInfo, Weights
+from whitney.engine.sampler import SampledSequence, SampleResult, SamplingParams
+from whitney.errors import InvalidInput, NotFound
+from whitney.service.jobs import ForwardJob, OptimJob, SaveJob
+from whitney.service.scheduler import Scheduler
+from whitney.service.store import Store, digest
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+POISON = 666  # a prompt or datum token the fake refuses
+
+
+@dataclass
+class FakeBackend:
+    """Backend over plain Python: loss = tokens, gradient = tokens seen, one sampled token per step."""
+
+    config: EngineConfig = field(default_factory=EngineConfig)
+    calls: list[tuple] = field(default_factory=list)
+    grads: dict[str, float] = field(default_factory=dict)
+    staged: dict[tuple[str, str], float] = field(default_factory=dict)
+    samples: dict[str, list] = field(default_factory=dict)  # request id -> [prompt, params, tokens]
+    broken: bool = False  # run_batch raises (a backend bug)
+
+    @property
+    def models(self) -> dict[str, ModelInfo]:
+        return {"fake": ModelInfo("fake", "fake", 100, 64, ("q_proj",), "float32", "cpu", (2,))}
+
+    def adapter_bytes(self, base_model, lora) -> int:
+        return 16 * lora.rank
+
+    def validate(self, request, backward) -> int:
+        return sum(len(d.token_ids) for d in request.data)
+
+    def create_run(self, run_id, base_model, lora, resume_path=None, resume_with_optimizer=False) -> None:
+        self.calls.append(("create_run", run_id))
+        self.grads[run_id] = 0.0
+
+    def delete_run(self, run_id) -> None:
+        self.calls.append(("delete_run", run_id))
+        self.grads.pop(run_id, None)
+
+    def run_batch(self, requests, backward):
+        self.calls.append(("run_batch", [(r.run_id, len(r.data), r.stage) for r in requests], backward))
+        if self.broken:
+            raise RuntimeError("the fake backend is broken")
+        out = []
+        for r in requests:
+            if r.run_id not in self.grads:
+                out.append(Failure.of(NotFound(f"run {r.run_id!r} does not exist", field="run_id")))
+                continue
+            bad = [i for i, d in enumerate(r.data) if POISON in d.token_ids]
+            if bad:
+                out.append(Failure.of(InvalidInput("poison", field="token_ids", datum_index=bad[0])))
+                continue
+            tokens = float(sum(len(d.token_ids) for d in r.data))
+            if backward and r.stage is None:
+                self.grads[r.run_id] += tokens
+            elif backward:
+                self.staged[(r.run_id, r.stage)] = self.staged.get((r.run_id, r.stage), 0.0) + tokens
+            outputs = [DatumOutput([-1.0] * len(d.token_ids), [1.0] * len(d.token_ids)) for d in r.data]
+            out.append(ForwardResult(tokens, {"loss:sum": tokens, "tokens:sum": tokens}, outputs))
+        return out
+
+    def commit_gradients(self, run_id, stage) -> None:
+        self.calls.append(("commit", run_id, stage))
+        self.grads[run_id] += self.staged.pop((run_id, stage))
+
+    def discard_gradients(self, run_id, stage) -> None:
+        self.calls.append(("discard", run_id, stage))
+        self.staged.pop((run_id, stage), None)
+
+    def optim_step(self, run_id, params):
+        self.calls.append(("optim_step", run_id))
+        norm, self.grads[run_id] = self.grads[run_id], 0.0
+        return {"grad_norm": norm}
+
+    def save_state(self, run_id, path, include_optimizer=True) -> None:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "state").write_text(f"{self.grads[run_id]}")
+
+    def load_state(self, run_id, path, with_optimizer=False) -> None:
+        self.grads[run_id] = float((Path(path) / "state").read_text())
+
+    save_weights = export_lora = lambda self, run_id, path, *a, **k: Path(path).mkdir(parents=True)
+
+    def save_weights_for_sampler(self, run_id) -> int:
+        return 1
+
+    def compute_logprobs(self, sequences, weights):
+        return [[None] + [-1.0] * (len(s) - 1) for s in sequences]
+
+    def submit_sample(self, request_id, prompt, params, weights) -> None:
+        self.samples[request_id] = [prompt, params, []]
+
+    def sample_step(self):
+        ended = []
+        for request_id, (prompt, params, tokens) in list(self.samples.items()):
+            if POISON in prompt:
+                ended.append((request_id, Failure.of(InvalidInput("poison prompt", field="prompt"))))
+            else:
+                tokens.append(len(tokens))
+                if len(tokens) < params.max_tokens:
+                    continue
+                ended.append((request_id, SampleResult([SampledSequence(tokens, [-1.0] * len(tokens), "length")])))
+            del self.samples[request_id]
+        return ended
+
+
+@pytest.fixture
+def fake(tmp_path):
+    backend = FakeBackend()
+    store = Store(f"sqlite:///{tmp_path / 'f.db'}")
+    scheduler = Scheduler(backend, store, tmp_path, max_batch_tokens=10)
+    session = store.create_session("me")
+
+    def open_run(run_id: str) -> None:
+        scheduler.open_run({"id": run_id, "base_model": "fake", "lora": {"rank": 4}, "resume_with_optimizer": False},
+                           None).result(timeout=10)
+        store.create_run(session["id"], "me", "fake", {"rank": 4}, None, False, None, run_id=run_id)
+
+    def submit(run_id: str, seq_id: int, kind: str, job) -> dict:
+        op, _ = store.submit_operation("me", run_id, seq_id, kind, digest({"run": run_id, "seq": seq_id}))
+        scheduler.submit(op, job)
+        return op
+
+    scheduler.start()
+    yield backend, scheduler, open_run, submit
+    scheduler.stop()
+
+
+def fb(*lengths: int, token: int = 1) -> ForwardJob:
+    return ForwardJob([Datum([token] * n, {"target_tokens": [1] * n}) for n in lengths], "cross_entropy", {},
+                      list(lengths))
+
+
+def wait(store: Store, op: dict) -> dict:
+    deadline = time.monotonic() + 20
+    while (got := store.get_operation(op["id"]))["status"] not in TERMINAL:
+        assert time.monotonic() < deadline, f"{op['kind']} never ended"
+        time.sleep(0.005)
+    return got
+
+
+def test_both_backends_implement_the_protocol(tiny_llama):
+    from whitney.engine import Engine
+
+    assert isinstance(FakeBackend(), Backend)
+    assert isinstance(InProcessBackend(Engine()), Backend)
+
+
+def test_seq_id_order_and_cross_run_batches(fake):
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    open_run("b")
+    with scheduler._lock:  # hold the worker's view still while everything is queued, latest seq_id first
+        ops = [submit("a", 2, "optim_step", OptimJob(AdamParams())), submit("a", 1, "forward_backward", fb(2)),
+               submit("a", 0, "forward_backward", fb(3)), submit("b", 0, "forward_backward", fb(4))]
+    done = [wait(scheduler.store, op) for op in ops]
+    assert [op["status"] for op in done] == ["succeeded"] * 4
+    batches = [c[1] for c in backend.calls if c[0] == "run_batch"]
+    assert sorted(batches[0]) == [("a", 1, None), ("b", 1, None)], "seq 0 of both runs in one call"
+    assert batches[1] == [("a", 1, None)]
+    assert done[0]["result"]["metrics"]["grad_norm"] == 5.0  # optim_step saw both of a's operations
+    assert done[2]["result"]["loss"] == 3.0 and done[3]["result"]["loss"] == 4.0
+
+
+def test_large_operation_in_micro_batches_with_a_staged_gradient(fake):
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    op = wait(scheduler.store, submit("a", 0, "forward_backward", fb(4, 4, 4, 4, 4)))  # 20 tokens, budget 10
+    assert op["status"] == "succeeded" and op["result"]["loss"] == 20.0
+    assert op["result"]["metrics"] == {"loss:sum": 20.0, "tokens:sum": 20.0}
+    assert len(op["result"]["outputs"]) == 5
+    parts = [c[1][0] for c in backend.calls if c[0] == "run_batch"]
+    assert [n for _, n, _ in parts] == [2, 2, 1] and all(stage == op["id"] for _, _, stage in parts)
+    assert ("commit", "a", op["id"]) in backend.calls and backend.grads["a"] == 20.0
+
+
+def test_a_refused_micro_batch_discards_and_names_the_datum(fake):
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    job = fb(4, 4, 4, 4)
+    job.data[3].token_ids[0] = 666  # refused in the second micro-batch, as datum 1 of it
+    op = wait(scheduler.store, submit("a", 0, "forward_backward", job))
+    assert op["status"] == "failed" and op["error"]["datum_index"] == 3 and op["error"]["category"] == "user"
+    assert ("discard", "a", op["id"]) in backend.calls and backend.grads["a"] == 0.0 and not backend.staged
+
+
+def test_sampling_by_request_id_with_one_failure(fake):
+    backend, scheduler, _, _ = fake
+    store = scheduler.store
+    ops = []
+    for prompt in ([1, 2], [POISON], [3]):
+        op, _ = store.submit_operation("me", None, None, "sample", "")
+        scheduler.submit_sample(op, prompt, SamplingParams(max_tokens=3), Weights(base_model="fake"))
+        ops.append(op)
+    good, bad, other = (wait(store, op) for op in ops)
+    assert bad["status"] == "failed" and bad["error"]["field"] == "prompt"
+    for op in (good, other):
+        assert op["status"] == "succeeded" and op["result"]["sequences"][0]["tokens"] == [0, 1, 2]
+
+
+def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    backend.broken = True
+    op = wait(scheduler.store, submit("a", 0, "forward_backward", fb(2)))
+    assert op["status"] == "failed" and op["error"]["category"] == "server" and op["error"]["code"] == "internal"
+    backend.broken = False
+    assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2)))["status"] == "succeeded"
+    saved = wait(scheduler.store, submit("a", 2, "save_state", SaveJob("s")))
+    assert saved["status"] == "succeeded" and saved["result"]["package"]["name"] == "s"

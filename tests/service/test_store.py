@@ -1,0 +1,245 @@
+"""The store without HTTP, on a real SQLite file: the status tables, idempotent submission, restart recovery."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from whitney.errors import Conflict, NotFound
+from whitney.service.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE, RUN_MOVES,
+                                       RUN_OPEN, RUN_TERMINAL, OperationKind, OperationStatus, RunStatus,
+                                       SessionStatus, sources)
+from whitney.service.store import Store, digest
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "s.db"
+
+
+@pytest.fixture
+def store(db_path) -> Store:
+    return Store(f"sqlite:///{db_path}")
+
+
+def new_run(store: Store, owner: str = "me", status: RunStatus = RunStatus.ACTIVE) -> str:
+    """A run of a new session, moved to `status` in one step (every status is one move from active)."""
+    session = store.create_session(owner)
+    run = store.create_run(session["id"], owner, "tiny", {"rank": 4}, None, False, None)
+    if status != RunStatus.ACTIVE:
+        assert store.set_run_status(run["id"], status)
+    return run["id"]
+
+
+def new_operation(store: Store, status: OperationStatus = OperationStatus.QUEUED) -> str:
+    """A sampling operation (no run), moved to `status` through running."""
+    op, created = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
+    assert created and op["status"] == OperationStatus.QUEUED
+    if status != OperationStatus.QUEUED:
+        if status != OperationStatus.RUNNING:
+            assert store.set_operation(op["id"], OperationStatus.RUNNING)
+        assert store.set_operation(op["id"], status)
+    return op["id"]
+
+
+# ---- the tables ----------------------------------------------------------------------------------
+
+
+def test_tables_cover_every_status_and_their_sets_agree():
+    assert set(RUN_MOVES) == set(RunStatus) and set(OPERATION_MOVES) == set(OperationStatus)
+    assert set(RUN_TERMINAL) == {"finished", "cancelled", "failed", "interrupted"}
+    assert set(RUN_LIVE) == {"active", "finishing", "cancelling"} == set(RunStatus) - set(RUN_TERMINAL)
+    assert set(RUN_OPEN) == {"active", "finishing"} == set(sources(RUN_MOVES, RunStatus.CANCELLING))
+    assert set(OPERATION_TERMINAL) == {"succeeded", "failed", "cancelled"}
+    assert set(OPERATION_PENDING) == {"queued", "running"}
+    assert not sources(RUN_MOVES, RunStatus.ACTIVE), "nothing moves back to active"
+    assert not sources(OPERATION_MOVES, OperationStatus.QUEUED), "nothing moves back to queued"
+
+
+def test_enums_equal_their_strings_in_the_database(store, db_path):
+    run_id = new_run(store, status=RunStatus.FINISHING)
+    op_id = new_operation(store, OperationStatus.RUNNING)
+    assert RunStatus.FINISHING == "finishing" and f"{OperationKind.FORWARD_BACKWARD}" == "forward_backward"
+    assert digest({"kind": OperationKind.OPTIM_STEP}) == digest({"kind": "optim_step"}), "retries keep their digest"
+    with sqlite3.connect(db_path) as raw:
+        assert raw.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone() == ("finishing",)
+        assert raw.execute("SELECT kind, status FROM operations WHERE id = ?", (op_id,)).fetchone() == \
+            ("sample", "running")
+    assert type(store.get_run(run_id)["status"]) is str  # rows read back as plain strings
+
+
+@pytest.mark.parametrize("frm,to", [(f, t) for f, moves in RUN_MOVES.items() for t in moves])
+def test_every_allowed_run_move_works(store, frm, to):
+    run_id = new_run(store, status=frm)
+    assert store.set_run_status(run_id, to), f"{frm} -> {to} is listed but refused"
+    assert store.get_run(run_id)["status"] == to
+
+
+@pytest.mark.parametrize("frm,to", [(f, t) for f in RunStatus for t in RunStatus if t not in RUN_MOVES[f]])
+def test_every_other_run_move_is_refused_and_changes_nothing(store, frm, to):
+    run_id = new_run(store, status=frm)
+    assert not store.set_run_status(run_id, to, error="should not be written")
+    run = store.get_run(run_id)
+    assert run["status"] == frm and run["error"] is None
+
+
+def test_run_moves_race_like_the_routes_do(store):
+    """finish vs cancel: the second mover loses; a cancelled run is never then marked finished."""
+    run_id = new_run(store)
+    assert store.set_run_status(run_id, RunStatus.FINISHING)
+    assert not store.set_run_status(run_id, RunStatus.FINISHING), "a second finish is refused"
+    assert store.set_run_status(run_id, RunStatus.CANCELLING)
+    assert store.set_run_status(run_id, RunStatus.CANCELLED)
+    assert not store.set_run_status(run_id, RunStatus.FINISHED), "the drained finish lost the race"
+    assert store.get_run(run_id)["status"] == RunStatus.CANCELLED
+
+
+def test_run_status_error_unknown_run_and_unknown_status(store):
+    run_id = new_run(store)
+    assert store.set_run_status(run_id, RunStatus.FAILED, error="worker lost")
+    assert store.get_run(run_id)["error"] == "worker lost"
+    assert not store.set_run_status("run-nope", RunStatus.CANCELLED)
+    with pytest.raises(ValueError):
+        store.set_run_status(run_id, "paused")
+
+
+@pytest.mark.parametrize("frm,to", [(f, t) for f in OperationStatus for t in OperationStatus])
+def test_operation_moves_follow_the_table(store, frm, to):
+    op_id = new_operation(store, frm)
+    before = store.get_operation(op_id)
+    moved = store.set_operation(op_id, to, result={"x": 1}, error=None)
+    assert moved == (to in OPERATION_MOVES[frm])
+    op = store.get_operation(op_id)
+    if not moved:
+        assert op == before
+        return
+    assert op["status"] == to
+    if to == OperationStatus.RUNNING:
+        assert op["started_at"] is not None and op["finished_at"] is None
+    if to in OPERATION_TERMINAL:
+        assert op["finished_at"] is not None and op["result"] == {"x": 1}
+
+
+def test_sessions_end_once(store):
+    session = store.create_session("me")
+    assert store.end_session(session["id"], SessionStatus.CLOSED)
+    assert not store.end_session(session["id"], SessionStatus.EXPIRED)
+    assert store.get_session(session["id"], "me")["status"] == SessionStatus.CLOSED
+    with pytest.raises(Conflict):
+        store.heartbeat(session["id"], "me")
+
+
+# ---- submitting an operation -----------------------------------------------------------------------
+
+
+def test_same_body_is_the_same_operation_and_a_different_one_a_conflict(store):
+    run_id = new_run(store)
+    op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD_BACKWARD, "d0")
+    assert created and op["status"] == OperationStatus.QUEUED and op["seq_id"] == 0
+    again, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD_BACKWARD, "d0")
+    assert not created and again["id"] == op["id"]
+    with pytest.raises(Conflict) as e:
+        store.submit_operation("me", run_id, 0, OperationKind.FORWARD_BACKWARD, "d1")
+    assert e.value.field == "seq_id" and "already used for a different forward_backward request" in e.value.message
+    with pytest.raises(Conflict):  # same digest, other kind
+        store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d0")
+    assert [o["id"] for o in store.list_operations(run_id)] == [op["id"]]
+
+
+def test_unknown_or_foreign_run_is_not_found(store):
+    theirs = new_run(store, owner="them")
+    for run_id in ("run-nope", theirs):
+        with pytest.raises(NotFound) as e:
+            store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d")
+        assert e.value.field == "run_id" and e.value.message == f"run {run_id!r} does not exist"
+    assert store.list_operations(theirs) == []
+
+
+@pytest.mark.parametrize("status", [s for s in RunStatus if s != RunStatus.ACTIVE])
+def test_a_run_that_is_not_active_answers_retries_only(store, status):
+    run_id = new_run(store)
+    op, _ = store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d0")
+    assert store.set_run_status(run_id, status)
+    again, created = store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d0")
+    assert not created and again["id"] == op["id"]
+    with pytest.raises(Conflict) as e:
+        store.submit_operation("me", run_id, 1, OperationKind.OPTIM_STEP, "d1")
+    assert e.value.field == "run_id"
+    assert e.value.message == f"run {run_id!r} is {status}; it takes no more operations"
+    with pytest.raises(Conflict) as e:  # a retry with another body is still the seq_id's conflict
+        store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d2")
+    assert e.value.field == "seq_id"
+
+
+def test_admit_runs_for_new_operations_only_and_its_refusal_stores_nothing(store):
+    run_id = new_run(store)
+    calls = []
+
+    class Refused(Exception):
+        pass
+
+    def refuse():
+        calls.append("refuse")
+        raise Refused
+
+    with pytest.raises(Refused):
+        store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=refuse)
+    assert store.find_operation(run_id, 0) is None and store.usage("me")["operations"] == 0
+    op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=lambda: calls.append("ok"))
+    assert created and calls == ["refuse", "ok"]
+    store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=refuse)  # a retry: not checked
+    for run, seq in (("run-nope", 0), (run_id, 0)):  # not found; a different body: refused before the quota
+        with pytest.raises((NotFound, Conflict)):
+            store.submit_operation("me", run, seq, OperationKind.FORWARD, "other", admit=refuse)
+    assert store.set_run_status(run_id, RunStatus.FINISHED)
+    with pytest.raises(Conflict):  # an ended run: refused before the quota
+        store.submit_operation("me", run_id, 1, OperationKind.FORWARD, "d1", admit=refuse)
+    assert calls == ["refuse", "ok"]
+
+
+def test_a_racing_duplicate_resolves_through_the_constraint(store):
+    """Another request inserts the same (run, seq_id) between this one's checks and its insert."""
+    run_id = new_run(store)
+    first = []
+
+    def race(body_digest: str):
+        return lambda: first.append(store.submit_operation("me", run_id, len(first), OperationKind.FORWARD,
+                                                           body_digest)[0])
+
+    op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=race("d0"))
+    assert not created and op["id"] == first[0]["id"]
+    with pytest.raises(Conflict):
+        store.submit_operation("me", run_id, 1, OperationKind.FORWARD, "d1", admit=race("other"))
+    assert len(store.list_operations(run_id)) == 2
+
+
+def test_sampling_operations_are_never_deduplicated(store):
+    a, _ = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
+    b, created = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
+    assert created and a["id"] != b["id"]
+    with pytest.raises(ValueError):
+        store.submit_operation("me", None, None, "teleport", "")
+
+
+# ---- restart recovery ---------------------------------------------------------------------------------
+
+
+def test_recover_after_restart(store, db_path):
+    ops = {s: new_operation(store, s) for s in OperationStatus}
+    runs = {s: new_run(store, status=s) for s in RunStatus}
+    Store(f"sqlite:///{db_path}").recover_after_restart()  # the next process, on the same file
+    for status, op_id in ops.items():
+        op = store.get_operation(op_id)
+        if status in OPERATION_PENDING:
+            assert op["status"] == OperationStatus.FAILED and op["finished_at"] is not None
+            assert op["error"]["category"] == "server" and op["error"]["code"] == "server_restarted"
+        else:
+            assert op["status"] == status
+    for status, run_id in runs.items():
+        run = store.get_run(run_id)
+        if status in RUN_LIVE:
+            assert run["status"] == RunStatus.INTERRUPTED and "server restarted" in run["error"]
+        else:
+            assert run["status"] == status and run["error"] is None
+    assert store.usage("me") == {"sessions": len(RunStatus), "runs": [], "operations": 0}

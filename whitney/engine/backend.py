@@ -1,0 +1,224 @@
+"""The Backend: the narrow interface the service drives an engine through, over plain data.
+
+Everything that crosses it is a dataclass of lists, numbers and strings (no tensors, no live objects,
+no exception objects in results), so a backend can live in this process (`InProcessBackend`, over the
+`Engine`) or in another one (a proxy to workers elsewhere) behind the same methods:
+
+  models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype)
+  adapter_bytes(base, lora)       memory one run of that LoRA config holds (validates the config)
+  validate(request, backward)     check a forward request without running it; its token count
+  create_run / delete_run         a run's adapter (optionally loaded from a checkpoint), and its end
+  run_batch(requests, backward)   forward(_backward) of several runs' requests: a result or a Failure each
+  commit_gradients / discard_gradients   a micro-batched operation's staged gradient, added or dropped
+  optim_step, save_state, load_state, save_weights, export_lora, save_weights_for_sampler
+  compute_logprobs(sequences, weights)
+  submit_sample(request_id, prompt, params, weights); sample_step() -> [(request_id, result | Failure)]
+
+Single calls raise a `WhitneyError` for the caller's mistakes; anything else is a bug of the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
+
+from whitney.engine.config import EngineConfig
+from whitney.engine.lora import LoraConfig, validate_lora_config
+from whitney.engine.model import DEFAULT_MODEL
+from whitney.engine.optim import AdamParams
+from whitney.engine.runs import Engine, ForwardRequest, ForwardResult
+from whitney.engine.sampler import SampleRequest, SampleResult, SamplingParams
+from whitney.errors import WhitneyError
+
+BYTES_PER_PARAMETER = 16  # a float32 LoRA weight, AdamW's two moments, and the gradient accumulator
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A loaded base model as routes see it: read-only, and the same wherever the model lives."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    max_context: int
+    adaptable_modules: tuple[str, ...]  # LoRA target names (q_proj, ..., lm_head)
+    compute_dtype: str  # resolved: "float32" or "bfloat16"
+    device: str  # resolved: "cpu" or "cuda:N"
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Which weights to score or sample with: a run's sampler version, a saved checkpoint, or a base model."""
+
+    run_id: str | None = None
+    version: int | None = None
+    checkpoint_path: str | None = None
+    base_model: str | None = None
+
+    def as_kwargs(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An operation's error as data. category "user": the caller's mistake (a 4xx kind); "server": a bug."""
+
+    code: str
+    message: str
+    category: str = "user"
+    field: str | None = None
+    datum_index: int | None = None
+
+    @classmethod
+    def of(cls, error: BaseException) -> "Failure":
+        if isinstance(error, WhitneyError):
+            return cls(error.code, error.message, "user", error.field, error.datum_index)
+        return cls("internal", f"{type(error).__name__}: {error}", "server")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@runtime_checkable
+class Backend(Protocol):
+    config: EngineConfig
+
+    @property
+    def models(self) -> dict[str, ModelInfo]: ...
+    def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int: ...
+    def validate(self, request: ForwardRequest, backward: bool) -> int: ...
+    def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,
+                   resume_with_optimizer: bool = False) -> None: ...
+    def delete_run(self, run_id: str) -> None: ...
+    def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | Failure]: ...
+    def commit_gradients(self, run_id: str, stage: str) -> None: ...
+    def discard_gradients(self, run_id: str, stage: str) -> None: ...
+    def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]: ...
+    def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None: ...
+    def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None: ...
+    def save_weights(self, run_id: str, path: str, merge: bool = False) -> None: ...
+    def export_lora(self, run_id: str, path: str) -> None: ...
+    def save_weights_for_sampler(self, run_id: str) -> int: ...
+    def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]: ...
+    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights) -> None: ...
+    def sample_step(self) -> list[tuple[str, SampleResult | Failure]]: ...
+
+
+@dataclass
+class InProcessBackend:
+    """The Backend over an `Engine` in this process (its numbers are the engine's, unchanged)."""
+
+    engine: Engine
+    config: EngineConfig = field(default_factory=EngineConfig)
+    _samples: dict[str, SampleRequest] = field(default_factory=dict)
+    _info: dict[str, ModelInfo] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, config: EngineConfig, models: list[str]) -> "InProcessBackend":
+        """An engine with `config`, its base models loaded."""
+        engine = Engine(max_lora_rank=config.max_lora_rank, compute_dtype=config.compute_dtype,
+                        max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
+                        max_prefill_tokens=config.max_prefill_tokens)
+        backend = cls(engine, config)
+        for name in models or [DEFAULT_MODEL]:
+            backend.load_model(name)
+        return backend
+
+    def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
+        """Load a base model (once) and describe it; `alias` names the same model a second way."""
+        base = self.engine.load_model(name)
+        info = ModelInfo(name=alias or name, model_type=base.config.model_type, vocab_size=base.config.vocab_size,
+                         max_context=base.config.max_context,
+                         adaptable_modules=tuple(sorted({p.rsplit(".", 1)[-1] for p in base.linear_shapes})),
+                         compute_dtype=self.engine.compute_dtype_name, device="cpu",
+                         eos_token_ids=tuple(base.eos_token_ids))
+        self._info[info.name] = info
+        if alias is not None:
+            self.engine.models.setdefault(alias, base)
+        return info
+
+    @property
+    def models(self) -> dict[str, ModelInfo]:
+        return dict(self._info)
+
+    def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int:
+        base = self.engine.load_model(base_model)
+        paths = validate_lora_config(lora, base, self.engine.max_lora_rank)
+        return BYTES_PER_PARAMETER * lora.rank * sum(sum(base.linear_shapes[p]) for p in paths)
+
+    def validate(self, request: ForwardRequest, backward: bool) -> int:
+        return self.engine.validate(request, backward)
+
+    def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,
+                   resume_with_optimizer: bool = False) -> None:
+        self.engine.create_run(run_id, base_model, lora)
+        if resume_path is not None:
+            try:
+                self.engine.load_state(run_id, resume_path, with_optimizer=resume_with_optimizer)
+            except BaseException:
+                self.engine.delete_run(run_id)
+                raise
+
+    def delete_run(self, run_id: str) -> None:
+        self.engine.delete_run(run_id)
+
+    def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | Failure]:
+        return [Failure.of(r) if isinstance(r, BaseException) else r
+                for r in self.engine.run_batch(requests, backward)]
+
+    def commit_gradients(self, run_id: str, stage: str) -> None:
+        self.engine.commit_gradients(run_id, stage)
+
+    def discard_gradients(self, run_id: str, stage: str) -> None:
+        self.engine.discard_gradients(run_id, stage)
+
+    def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]:
+        return self.engine.optim_step(run_id, params)
+
+    def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None:
+        self.engine.save_state(run_id, path, include_optimizer)
+
+    def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None:
+        self.engine.load_state(run_id, path, with_optimizer)
+
+    def save_weights(self, run_id: str, path: str, merge: bool = False) -> None:
+        self.engine.save_weights(run_id, path, merge)
+
+    def export_lora(self, run_id: str, path: str) -> None:
+        self.engine.export_lora(run_id, path)
+
+    def save_weights_for_sampler(self, run_id: str) -> int:
+        return self.engine.save_weights_for_sampler(run_id)
+
+    def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]:
+        return self.engine.compute_logprobs(sequences, **weights.as_kwargs())
+
+    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights) -> None:
+        self._samples[request_id] = self.engine.submit_sample(prompt, params, **weights.as_kwargs())
+
+    def sample_step(self) -> list[tuple[str, SampleResult | Failure]]:
+        """One admit + decode step; the requests that ended in it. A failure of the step itself (a bug in
+        the shared decode pass) fails every request in flight and starts the samplers afresh."""
+        if not self._samples:
+            return []
+        try:
+            self.engine.sample_step()
+        except Exception as e:
+            failed = [(request_id, Failure.of(e)) for request_id in self._samples]
+            self._samples.clear()
+            self.engine.reset_sampling()
+            return failed
+        ended = []
+        for request_id, request in list(self._samples.items()):
+            if request.error is not None:
+                ended.append((request_id, Failure.of(request.error)))
+            elif request.done:
+                ended.append((request_id, request.result))
+            else:
+                continue
+            del self._samples[request_id]
+        return ended
+
+
+__all__ = ["BYTES_PER_PARAMETER", "Backend", "EngineConfig", "Failure", "InProcessBackend", "ModelInfo", "Weights"]
