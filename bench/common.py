@@ -220,10 +220,19 @@ def start_server(*args: str, model: str = DEFAULT_MODEL, timeout: float = 180.0)
             continue
         lines.append(line)
         if "Whitney is serving" in line:
-            # Drain the rest of its output in the background so the pipe never fills.
+            # Drain the rest of its output in the background so the pipe never fills; to a file when
+            # WHITNEY_BENCH_SERVER_LOG names one (the server's log, for a benchmark that reports errors).
             import threading
 
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            log_path = os.environ.get("WHITNEY_BENCH_SERVER_LOG")
+
+            def drain() -> None:
+                with open(log_path or os.devnull, "a") as log:
+                    log.writelines(lines)
+                    for line in proc.stdout:
+                        log.write(line)
+
+            threading.Thread(target=drain, daemon=True).start()
             return Server(proc, f"http://127.0.0.1:{port}", data_dir)
     proc.kill()
     raise RuntimeError(f"whitney serve did not start in {timeout}s:\n{''.join(lines)}")

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "peers"]
+ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "peers"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -35,6 +35,8 @@ def fmt(x, unit: str | None = None) -> str:
         return f"{x:.1f} ms"
     if unit == "exponent":
         return f"{x:.2f}"
+    if unit in ("errors", "ops", "ops/s"):
+        return f"{x:g} {unit}" if unit != "ops/s" else f"{x:.1f} ops/s"
     return f"{x:.2f}x"
 
 

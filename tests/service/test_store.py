@@ -198,6 +198,34 @@ def test_admit_runs_for_new_operations_only_and_its_refusal_stores_nothing(store
     assert calls == ["refuse", "ok"]
 
 
+def test_many_concurrent_submissions_with_a_quota_check_that_reads_the_store(store):
+    """`admit` reads the store (as the quotas do): were a connection held across it, 40 submissions at once
+    would each hold one of the pool's 15 and wait for a second until the pool's 30 s timeout (a 500 each)."""
+    import threading
+    import time as _time
+
+    runs = [new_run(store) for _ in range(40)]
+    start, errors, done = threading.Barrier(40), [], []
+
+    def submit(run_id: str) -> None:
+        start.wait()
+        try:
+            op, created = store.submit_operation("me", run_id, 0, "forward_backward", "d",
+                                                 admit=lambda: (store.usage("me"), _time.sleep(0.1)))
+            done.append(created)
+        except Exception as e:  # noqa: BLE001 (any failure is the bug)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=submit, args=(r,)) for r in runs]
+    t0 = _time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and done == [True] * 40, errors[:3]
+    assert _time.monotonic() - t0 < 20, "submissions waited on the connection pool"
+
+
 def test_a_racing_duplicate_resolves_through_the_constraint(store):
     """Another request inserts the same (run, seq_id) between this one's checks and its insert."""
     run_id = new_run(store)

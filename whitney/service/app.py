@@ -18,6 +18,7 @@ from whitney.engine.backend import Backend, EngineConfig, InProcessBackend
 from whitney.engine.checkpoint import remove_leftovers
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge
 from whitney.service import handlers, schemas, tinker
+from whitney.service.bodies import read_body, replaying
 from whitney.service.deps import ServiceState, Unauthorized, served_name
 from whitney.service.keys import KeyGate, KeyLimits, KeyRing
 from whitney.service.limits import Limits
@@ -124,26 +125,12 @@ class BodyLimit:
             if length.isdigit() and int(length) > self.limit:
                 return await self._too_large(scope, receive, send, f"request body of {int(length)} bytes")
             return await self.app(scope, receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
+        body, size = await read_body(receive, self.limit)
+        if body is None:
             if size > self.limit:
                 return await self._too_large(scope, receive, send, f"request body of more than {size - 1} bytes")
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+            return  # the client went away
+        await self.app(scope, replaying(body, receive), send)
 
     async def _too_large(self, scope, receive, send, what: str) -> None:
         response = JSONResponse(status_code=413, content={

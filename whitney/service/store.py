@@ -239,22 +239,27 @@ class Store:
         used seq_id is a Conflict. `admit` (the quota check) runs only for a new operation, before it is
         inserted: raising refuses it and nothing is stored. Sampling operations pass run_id/seq_id None
         and are never deduplicated.
+
+        `admit` runs between the checks and the insert, with no connection held: it reads the store
+        itself, and a connection held across it would let many concurrent submissions exhaust the pool.
+        The unique (run, seq_id) constraint, not a long transaction, is what makes a racing retry safe.
         """
         row = OperationRow(id=new_id("op"), owner=owner, run_id=run_id, seq_id=seq_id, kind=OperationKind(kind),
                            body_digest=body_digest, status=OperationStatus.QUEUED, created_at=time.time())
+        if run_id is not None:
+            with self.tx() as db:
+                run = db.get(RunRow, run_id)
+                if run is None or run.owner != owner:
+                    raise NotFound(f"run {run_id!r} does not exist", field="run_id")
+                existing = self._same_operation(db, run_id, seq_id, kind, body_digest)
+                if existing is not None:
+                    return existing, False
+                if run.status != RunStatus.ACTIVE:
+                    raise Conflict(f"run {run_id!r} is {run.status}; it takes no more operations", field="run_id")
+        if admit is not None:
+            admit()
         try:
             with self.tx() as db:
-                if run_id is not None:
-                    run = db.get(RunRow, run_id)
-                    if run is None or run.owner != owner:
-                        raise NotFound(f"run {run_id!r} does not exist", field="run_id")
-                    existing = self._same_operation(db, run_id, seq_id, kind, body_digest)
-                    if existing is not None:
-                        return existing, False
-                    if run.status != RunStatus.ACTIVE:
-                        raise Conflict(f"run {run_id!r} is {run.status}; it takes no more operations", field="run_id")
-                if admit is not None:
-                    admit()
                 db.add(row)
             return _row_dict(row), True
         except IntegrityError:  # the same (run, seq_id) committed by a racing request

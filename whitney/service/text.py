@@ -19,6 +19,8 @@ import json
 import re
 from typing import Any
 
+from whitney.service.bodies import read_body, replaying
+
 # Cheap pre-check on raw bytes: only a body with a \uD800-\uDFFF escape can decode to a lone surrogate
 # (a surrogate pair decodes to one valid character, so a match is then confirmed by a full parse).
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -97,14 +99,9 @@ class TextCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, _ = await read_body(receive)
+        if body is None:  # the client went away
+            return
         content_type = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
         error = body_error(body, content_type)
         if error is not None:
@@ -112,13 +109,4 @@ class TextCheck:
             await send({"type": "http.response.start", "status": 400, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
             return await send({"type": "http.response.body", "body": payload})
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
