@@ -31,7 +31,7 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	touch $(VENV)/.bench-installed
 
-.PHONY: install demo test bench bench-peers
+.PHONY: install demo test bench bench-peers gpu-check
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -49,3 +49,10 @@ bench: $(VENV)/.bench-installed
 #   SMOL_SRC=~/.cache/whitney/models/SmolLM2-135M-Instruct MODEL_PY=$(BIN)/python bash ../shared/peers/skyrl/setup.sh
 bench-peers: $(VENV)/.bench-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench --only peers $(BENCH_ARGS)
+
+# On a machine with a CUDA device and a CUDA build of torch (the .venv above pins the CPU wheel: install a
+# CUDA torch into it, or GPU_PY=/path/to/python): the CUDA exactness tests (pytest -m cuda), then a short
+# SFT and sampling benchmark. Exits 2 saying why when torch sees no CUDA device.
+GPU_PY ?= $(BIN)/python
+gpu-check:
+	HF_HUB_OFFLINE=1 $(GPU_PY) scripts/gpu_check.py $(GPU_ARGS)

@@ -61,11 +61,18 @@ def serve_main(args) -> int:
                            limits=request_limits(args), require_keys=args.require_keys, key_limits=key_limits(args))
     if args.data_dir:
         config.data_dir = Path(args.data_dir)
+    from whitney.errors import WhitneyError
+
     # HTTP on a thread, the engine's worker loop on the main thread (see Scheduler.run for why).
-    app = create_app(config, worker_thread=False)
+    try:
+        app = create_app(config, worker_thread=False)
+    except WhitneyError as e:  # e.g. --device cuda without CUDA, a model that is not there
+        print(f"whitney serve: {e.message}", file=sys.stderr)
+        return 2
     scheduler = app.state.whitney.scheduler
     server = serve_in_thread(app, args.host, args.port)
-    print(f"Whitney is serving {', '.join(config.models)} at {server.url}", flush=True)
+    placed = sorted({f"{m.device}, {m.compute_dtype}" for m in scheduler.backend.models.values()})
+    print(f"Whitney is serving {', '.join(config.models)} at {server.url} ({'; '.join(placed)})", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: scheduler.stop())
     # Should the HTTP thread ever end on its own, stop the worker too rather than serve nothing.
@@ -80,7 +87,7 @@ def serve_main(args) -> int:
 # ---- the engine ---------------------------------------------------------------------------------
 
 def add_engine_flags(serve: argparse.ArgumentParser) -> None:
-    """--max-lora-rank, --max-sequences, --max-cached-tokens, --dtype: defaults from EngineConfig."""
+    """--device, --dtype, --max-lora-rank, --max-sequences, --max-cached-tokens: defaults from EngineConfig."""
     from whitney.engine.backend import EngineConfig
 
     default = EngineConfig()
@@ -89,16 +96,20 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="sampling: concurrent sequences")
     serve.add_argument("--max-cached-tokens", type=int, default=default.max_cached_tokens,
                        help="sampling: KV-cache tokens")
-    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default=default.compute_dtype,
+    serve.add_argument("--device", default=default.device, metavar="auto|cpu|cuda|cuda:N",
+                       help="where base weights, adapters, optimizer state and caches live (auto: CUDA when "
+                            f"present, else the CPU; default {default.device})")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=default.compute_dtype,
                        help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
-                            "bfloat16 is several times faster on CPUs with AVX-512 BF16")
+                            "auto: float32 on the CPU, bfloat16 on CUDA; bfloat16 is several times faster on "
+                            "CPUs with AVX-512 BF16")
 
 
 def engine_config(args):
     from whitney.engine.backend import EngineConfig
 
-    return EngineConfig(max_lora_rank=args.max_lora_rank, compute_dtype=args.dtype, max_sequences=args.max_sequences,
-                        max_cached_tokens=args.max_cached_tokens)
+    return EngineConfig(max_lora_rank=args.max_lora_rank, device=args.device, compute_dtype=args.dtype,
+                        max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens)
 
 
 # ---- per-request limits -------------------------------------------------------------------------

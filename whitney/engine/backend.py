@@ -4,7 +4,8 @@ Everything that crosses it is a dataclass of lists, numbers and strings (no tens
 no exception objects in results), so a backend can live in this process (`InProcessBackend`, over the
 `Engine`) or in another one (a proxy to workers elsewhere) behind the same methods:
 
-  models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype)
+  models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype,
+                                  device)
   adapter_bytes(base, lora)       memory one run of that LoRA config holds (validates the config)
   validate(request, backward)     check a forward request without running it; its token count
   create_run / delete_run         a run's adapter (optionally loaded from a checkpoint), and its end
@@ -119,7 +120,7 @@ class InProcessBackend:
         """An engine with `config`, its base models loaded."""
         engine = Engine(max_lora_rank=config.max_lora_rank, compute_dtype=config.compute_dtype,
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
-                        max_prefill_tokens=config.max_prefill_tokens)
+                        max_prefill_tokens=config.max_prefill_tokens, device=config.device)
         backend = cls(engine, config)
         for name in models or [DEFAULT_MODEL]:
             backend.load_model(name)
@@ -131,7 +132,7 @@ class InProcessBackend:
         info = ModelInfo(name=alias or name, model_type=base.config.model_type, vocab_size=base.config.vocab_size,
                          max_context=base.config.max_context,
                          adaptable_modules=tuple(sorted({p.rsplit(".", 1)[-1] for p in base.linear_shapes})),
-                         compute_dtype=self.engine.compute_dtype_name, device="cpu",
+                         compute_dtype=self.engine.compute_dtype_name, device=str(base.device),
                          eos_token_ids=tuple(base.eos_token_ids))
         self._info[info.name] = info
         if alias is not None:

@@ -5,6 +5,7 @@ A state checkpoint is a directory:
   adapter.safetensors   `{module}.lora_A` [r, in] and `{module}.lora_B` [out, r]
   optimizer.safetensors `exp_avg.{weight}` and `exp_avg_sq.{weight}` (only with the optimizer)
 Checksums are verified on load. Exports are a PEFT adapter directory or a merged Hugging Face model.
+Tensors are written from any device (copied to the CPU) and read onto the adapter's device.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def remove_leftovers(directory: str | Path) -> list[Path]:
 def save_state(path: str | Path, adapter: Adapter, optimizer: OptimizerState | None, base_model: str) -> dict:
     """Write adapter weights (and optimizer moments and step) with a manifest; return the manifest."""
     with atomic_dir(path) as tmp:
-        save_file({k: v.detach().contiguous() for k, v in adapter.named_parameters()}, tmp / "adapter.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.named_parameters()},
+                  tmp / "adapter.safetensors")
         files = ["adapter.safetensors"]
         if optimizer is not None:
             tensors = {f"exp_avg.{k}": v for k, v in optimizer.exp_avg.items()}
             tensors |= {f"exp_avg_sq.{k}": v for k, v in optimizer.exp_avg_sq.items()}
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
+            save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
             files.append("optimizer.safetensors")
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -117,12 +119,13 @@ def _verified(path: Path, name: str, manifest: dict) -> dict[str, torch.Tensor]:
     file = path / name
     if _sha256(file) != manifest["sha256"][name]:
         raise InvalidInput(f"checkpoint file {file} fails its checksum: the checkpoint is corrupt", field="path")
-    return load_file(file)
+    return load_file(file, device="cpu")
 
 
 def load_into(path: str | Path, adapter: Adapter, optimizer: OptimizerState | None,
               base_model: str) -> OptimizerState | None:
-    """Load a checkpoint into an existing adapter (and a fresh OptimizerState if one is given).
+    """Load a checkpoint into an existing adapter (and a fresh OptimizerState if one is given), onto the
+    adapter's device.
 
     Refuses a different base model or LoRA geometry (rank, alpha, modules) before changing anything.
     """
@@ -141,9 +144,11 @@ def load_into(path: str | Path, adapter: Adapter, optimizer: OptimizerState | No
     moments = _verified(path, "optimizer.safetensors", manifest) if optimizer is not None else None
     load_adapter_weights(adapter, weights)  # checks module names and shapes before writing
     if optimizer is not None:
+        device = adapter.device
         optimizer.step = int(manifest["optimizer_step"])
-        optimizer.exp_avg = {k[len("exp_avg."):]: v for k, v in moments.items() if k.startswith("exp_avg.")}
-        optimizer.exp_avg_sq = {k[len("exp_avg_sq."):]: v for k, v in moments.items() if k.startswith("exp_avg_sq.")}
+        optimizer.exp_avg = {k[len("exp_avg."):]: v.to(device) for k, v in moments.items() if k.startswith("exp_avg.")}
+        optimizer.exp_avg_sq = {k[len("exp_avg_sq."):]: v.to(device) for k, v in moments.items()
+                                if k.startswith("exp_avg_sq.")}
     return optimizer
 
 
@@ -172,15 +177,16 @@ def export_peft(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
     }
     tensors = {}
     for name in adapter.A:
-        tensors[f"base_model.model.{name}.lora_A.weight"] = adapter.A[name].detach().contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = adapter.B[name].detach().contiguous()
+        tensors[f"base_model.model.{name}.lora_A.weight"] = adapter.A[name].detach().cpu().contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = adapter.B[name].detach().cpu().contiguous()
     with atomic_dir(path) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
 def export_merged(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
-    """A standalone Hugging Face model directory with W + scale * B @ A merged into each adapted weight.
+    """A standalone Hugging Face model directory with W + scale * B @ A merged into each adapted weight
+    (on the CPU, in float32, whatever the engine's device and dtype).
 
     An adapted unembedding of a model with tied embeddings is untied, so the input embedding stays the base's.
     """
@@ -194,7 +200,7 @@ def export_merged(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
             model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         for name in adapter.A:
             weight = modules[name].weight
-            weight += adapter.scale * (adapter.B[name].detach() @ adapter.A[name].detach())
+            weight += adapter.scale * (adapter.B[name].detach().cpu() @ adapter.A[name].detach().cpu())
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
         base.tokenizer.save_pretrained(tmp)

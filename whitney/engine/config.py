@@ -9,7 +9,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     max_lora_rank: int = 128
-    compute_dtype: str = "float32"  # base weights and activations: "float32" or "bfloat16"
+    device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda" or "cuda:N": weights, adapters, caches
+    compute_dtype: str = "auto"  # base weights and activations: "float32", "bfloat16", or "auto" (float32 on
+    #                              the CPU, the exact path; bfloat16 on CUDA)
     max_sequences: int = 256  # sampling: concurrent sequences per base model (more wait in a queue)
     max_cached_tokens: int = 262_144  # sampling: KV-cache tokens per base model
     max_prefill_tokens: int = 8192  # sampling: prompt tokens prefilled per step

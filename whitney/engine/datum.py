@@ -54,7 +54,8 @@ class FieldSpec:
 
 @dataclass
 class PreparedDatum:
-    """A validated datum: tokens [N] int64 and loss inputs as tensors ([N], [N, K] or [M])."""
+    """A validated datum: tokens [N] int64 and loss inputs as tensors ([N], [N, K] or [M]), on the CPU
+    (validation reads values; the engine moves what it computes with to its device)."""
 
     tokens: torch.Tensor
     inputs: dict[str, torch.Tensor]
@@ -100,7 +101,7 @@ def to_tensor(value: TensorInput | list | dict, index: int, name: str) -> torch.
             raise InvalidInput(f"datum {index}: {name} has dtype {value.dtype} but non-integer values",
                                field=name, datum_index=index)
         try:
-            t = torch.tensor(value.values, dtype=dtype)
+            t = torch.tensor(value.values, dtype=dtype, device="cpu")
         except (TypeError, ValueError, RuntimeError, OverflowError):
             raise InvalidInput(f"datum {index}: {name} values must be a flat list of {value.dtype} numbers",
                                field=name, datum_index=index) from None
@@ -114,7 +115,7 @@ def to_tensor(value: TensorInput | list | dict, index: int, name: str) -> torch.
                                field=name, datum_index=index)
         return t.reshape(shape)
     try:
-        t = torch.tensor(value)
+        t = torch.tensor(value, device="cpu")
     except (TypeError, ValueError, RuntimeError, OverflowError):
         raise InvalidInput(f"datum {index}: {name} must be a rectangular list of numbers",
                            field=name, datum_index=index) from None
@@ -137,7 +138,7 @@ def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], require
     if bad is not None:
         raise InvalidInput(f"datum {index}: token_ids has token id {flat[bad]} at position {bad}, "
                            f"outside the vocabulary [0, {vocab})", field="token_ids", datum_index=index)
-    tokens = torch.tensor(flat, dtype=torch.int64)
+    tokens = torch.tensor(flat, dtype=torch.int64, device="cpu")
     n = tokens.shape[0]
 
     raw, given = {}, {}
@@ -191,7 +192,7 @@ def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], require
         inputs[name] = t
     for name, spec in specs.items():
         if name not in inputs and spec.default is not None:
-            inputs[name] = torch.full(inputs["target_tokens"].shape, spec.default)
+            inputs[name] = torch.full(inputs["target_tokens"].shape, spec.default, device="cpu")
     # A soft target's weights must match its candidates.
     if "weights" in inputs and "target_tokens" in inputs and inputs["weights"].shape != inputs["target_tokens"].shape:
         raise InvalidInput(f"datum {index}: weights has shape {list(inputs['weights'].shape)}, expected "

@@ -62,6 +62,11 @@ class Adapter:
     def names(self) -> list[str]:
         return list(self.A)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live: their base model's device."""
+        return next(iter(self.A.values())).device
+
     def parameters(self) -> list[torch.Tensor]:
         """Every trainable tensor, in a fixed order: A then B of each module."""
         return [t for name in self.A for t in (self.A[name], self.B[name])]
@@ -113,17 +118,18 @@ def validate_lora_config(config: LoraConfig, base: BaseModel, max_rank: int = DE
 def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MAX_RANK) -> Adapter:
     """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) from `config.seed` (PEFT's kaiming default), B = 0.
 
-    B = 0 makes a new run compute exactly the base model. The same seed gives the same A.
+    B = 0 makes a new run compute exactly the base model. The same seed gives the same A on every device:
+    A is drawn on the CPU, then moved to the base model's device.
     """
     paths = validate_lora_config(config, base, max_rank)
-    gen = torch.Generator().manual_seed(config.seed)
+    gen = torch.Generator(device="cpu").manual_seed(config.seed)
     A, B = {}, {}
     for path in paths:
         fan_in, fan_out = base.linear_shapes[path]
         bound = 1.0 / math.sqrt(fan_in)
-        a = torch.empty(config.rank, fan_in).uniform_(-bound, bound, generator=gen)
-        A[path] = a.requires_grad_(True)
-        B[path] = torch.zeros(fan_out, config.rank).requires_grad_(True)
+        a = torch.empty(config.rank, fan_in, device="cpu").uniform_(-bound, bound, generator=gen)
+        A[path] = a.to(base.device).requires_grad_(True)
+        B[path] = torch.zeros(fan_out, config.rank, device=base.device).requires_grad_(True)
     return Adapter(config, A, B)
 
 
@@ -202,12 +208,13 @@ class RowGroups:
 def _delta(adapter: Adapter, name: str, x: torch.Tensor) -> torch.Tensor:
     """scale * (x @ A^T) @ B^T for rows x [R, ..., in] -> [R, ..., out] (x's dtype): two thin matmuls, never B @ A.
 
-    Up to FLOAT32_DELTA_ROWS rows the matmuls run in float32 whatever the compute dtype: that few rows
-    make them overhead-bound, and CPU bfloat16 kernels are 2-9x slower there (measured 13 vs 32-119 us
-    at 16 rows); above it, bfloat16 is 3x faster (130 vs 480 us at 1024 rows).
+    On the CPU, up to FLOAT32_DELTA_ROWS rows the matmuls run in float32 whatever the compute dtype: that
+    few rows make them overhead-bound, and CPU bfloat16 kernels are 2-9x slower there (measured 13 vs
+    32-119 us at 16 rows); above it, bfloat16 is 3x faster (130 vs 480 us at 1024 rows). A CPU-only
+    trick: on CUDA they run in the compute dtype.
     """
     rows = x.numel() // x.shape[-1]
-    dt = torch.float32 if rows <= FLOAT32_DELTA_ROWS else x.dtype
+    dt = torch.float32 if rows <= FLOAT32_DELTA_ROWS and x.device.type == "cpu" else x.dtype
     a = adapter.A[name].to(dt)  # [r, in]
     b = adapter.B[name].to(dt)  # [out, r]
     return (((x.to(dt) @ a.T) * adapter.scale) @ b.T).to(x.dtype)  # scale the thin [R, r] product

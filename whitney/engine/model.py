@@ -37,9 +37,42 @@ LAYER_PROJECTIONS = {
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = "lm_head"
-# Dtypes the frozen base weights and activations may use. float32 is the default and the exact path;
-# bfloat16 halves base memory and is several times faster on CPUs with AVX-512 BF16 (and on GPUs).
+# Dtypes the frozen base weights and activations may use. float32 is the CPU default and the exact path;
+# bfloat16 halves base memory, is several times faster on CPUs with AVX-512 BF16, and is the CUDA default.
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEVICE_NAMES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """The device an engine computes on: "auto" is CUDA when present, else the CPU; "cuda" is the current
+    CUDA device, so the result always names its index ("cpu" or "cuda:0")."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise InvalidInput(f"device must be {DEVICE_NAMES}, got {name!r}", field="device") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise InvalidInput(f"device must be {DEVICE_NAMES}, got {name!r}", field="device")
+    if not torch.cuda.is_available():
+        raise InvalidInput(f"device {name!r}: no CUDA device is available to this torch build", field="device")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise InvalidInput(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+                           field="device")
+    return torch.device("cuda", index)
+
+
+def resolve_compute_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" is float32 on the CPU (the exact path) and bfloat16 on CUDA; else a name or dtype of COMPUTE_DTYPES."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in COMPUTE_DTYPES and name not in COMPUTE_DTYPES.values():
+        raise InvalidInput(f"compute dtype must be one of {['auto', *COMPUTE_DTYPES]}, got {name}",
+                           field="compute_dtype")
+    return COMPUTE_DTYPES.get(name, name)
 
 
 def cache_dir() -> Path:
@@ -102,6 +135,11 @@ class BaseModel:
     # oneDNN-prepacked bfloat16 linear weights for passes without autograd; see transformer.prepacked
     packed: dict | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where every tensor of this model lives (and where its runs' adapters and caches are made)."""
+        return self.embed.device
+
 
 def module_path(layer: int, projection: str) -> str:
     """Hugging Face path of one projection, e.g. `model.layers.3.self_attn.q_proj`."""
@@ -159,8 +197,10 @@ def resolve_model_dir(name: str) -> Path:
                        "nor in the local Hugging Face cache", field="base_model") from None
 
 
-def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torch.float32) -> BaseModel:
-    """Load a base model's frozen weights and tokenizer, stored in `compute_dtype` (float32 or bfloat16).
+def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> BaseModel:
+    """Load a base model's frozen weights and tokenizer, stored in `compute_dtype` (float32 or bfloat16) on
+    `device` (read on the CPU, then moved once).
 
     LoRA weights, optimizer state, log-probs and losses stay float32 in either mode.
     """
@@ -173,8 +213,9 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
         raise InvalidInput(f"model type {cfg.model_type!r} is not supported (supported: {SUPPORTED_TYPES})",
                            field="base_model")
     rotary = hf.model.rotary_emb
-    inv_freq = rotary.inv_freq.detach().float().clone()  # before any cast: RoPE tables stay exact
-    hf.to(compute_dtype)  # frozen weights in the compute dtype (ties kept); a no-op for float32
+    inv_freq = rotary.inv_freq.detach().float().clone().to(device)  # before any cast: RoPE tables stay exact
+    # Frozen weights in the compute dtype on the device (ties kept); a no-op for float32 on the CPU.
+    hf.to(device=device, dtype=compute_dtype)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     config = ModelConfig(
         model_type=cfg.model_type,

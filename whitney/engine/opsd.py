@@ -56,7 +56,7 @@ def _kl_positions(ids: torch.Tensor, mask: torch.Tensor, index: int, field: str)
     active = mask.bool()
     ids_on = ids[active]
     k = int(ids_on.numel())
-    if k and not torch.equal(torch.sort(ids_on).values, torch.arange(k)):
+    if k and not torch.equal(torch.sort(ids_on).values, torch.arange(k, device=ids.device)):
         raise InvalidInput(f"datum {index}: active {field} must be exactly 0..{k - 1} once each, got "
                            f"{sorted(ids_on.tolist())[:8]}", field=field, datum_index=index)
     positions = active.nonzero()[:, 0]  # [K] in stream order

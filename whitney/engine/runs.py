@@ -23,7 +23,8 @@ from whitney.engine.config import EngineConfig
 from whitney.engine.lora import Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
 from whitney.engine.losses import LossOutput, loss_spec
 from whitney.engine.model import (
-    COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, target_logprobs,
+    COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, resolve_compute_dtype, resolve_device,
+    target_logprobs,
 )
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
@@ -121,18 +122,18 @@ class _Prepared:
 class Engine:
     """Holds the loaded base models and the runs; every operation of the seeds is a method here.
 
-    Not thread-safe: the service drives it from one worker thread.
+    Not thread-safe: the service drives it from one worker thread. Every tensor it holds lives on `device`
+    (see "Devices and compute dtype" in docs/ARCHITECTURE.md for what runs on the CPU on purpose).
     """
 
     def __init__(self, max_lora_rank: int = EngineConfig.max_lora_rank,
                  compute_dtype: str | torch.dtype = EngineConfig.compute_dtype,
                  max_sequences: int = EngineConfig.max_sequences, max_cached_tokens: int = EngineConfig.max_cached_tokens,
-                 max_prefill_tokens: int = EngineConfig.max_prefill_tokens):
+                 max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
+                 device: str | torch.device = EngineConfig.device):
         self.max_lora_rank = max_lora_rank
-        if compute_dtype not in COMPUTE_DTYPES and compute_dtype not in COMPUTE_DTYPES.values():
-            raise InvalidInput(f"compute dtype must be one of {list(COMPUTE_DTYPES)}, got {compute_dtype}",
-                               field="compute_dtype")
-        self.compute_dtype = COMPUTE_DTYPES.get(compute_dtype, compute_dtype)  # base weights, activations
+        self.device = resolve_device(device)  # "auto" resolved: cpu or cuda:N
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)  # base weights, activations
         self.max_sequences = max_sequences  # sampling: concurrent sequences per base model
         self.max_cached_tokens = max_cached_tokens  # sampling: KV-cache tokens per base model
         self.max_prefill_tokens = max_prefill_tokens  # sampling: prompt tokens prefilled per step
@@ -150,7 +151,7 @@ class Engine:
     def load_model(self, name: str = DEFAULT_MODEL) -> BaseModel:
         """Load a base model once; later calls return the same shared weights."""
         if name not in self.models:
-            self.models[name] = load_base_model(name, self.compute_dtype)
+            self.models[name] = load_base_model(name, self.compute_dtype, self.device)
         return self.models[name]
 
     def create_run(self, run_id: str, base_model: str = DEFAULT_MODEL, lora: LoraConfig | None = None) -> Run:
@@ -270,9 +271,10 @@ class Engine:
         teacher_kl = self._teacher_logprobs(base, items)
         lengths = [d.length for it in items for d in it.datums]
         T = max(lengths)
-        tokens = torch.zeros(len(lengths), T, dtype=torch.int64)  # [B, T], right-padded
+        tokens = torch.zeros(len(lengths), T, dtype=torch.int64, device="cpu")  # [B, T], right-padded
         for row, d in enumerate(d for it in items for d in it.datums):
             tokens[row, : d.length] = d.tokens
+        tokens = tokens.to(base.device)  # filled on the CPU, one copy to the device
         bounds, row = [], 0
         for it in items:
             bounds.append((row, row + len(it.datums), it.adapter))
@@ -280,7 +282,8 @@ class Engine:
         groups = RowGroups(bounds)
         with torch.set_grad_enabled(backward):
             hidden = forward_hidden(base, tokens, groups)  # [B, T, D]
-            valid = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+            valid = (torch.arange(T, device=base.device)[None, :]
+                     < torch.tensor(lengths, device=base.device)[:, None])  # [B, T]
             flat = hidden[valid]  # [sum N, D], row-major: each request's tokens are contiguous
             outputs, start = [], 0
             for it, tk in zip(items, teacher_kl):
@@ -293,20 +296,23 @@ class Engine:
         return [self._result(it, o) for it, o in zip(items, outputs)]
 
     def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl, recompute: bool) -> LossOutput:
-        """Apply the request's loss to its hidden rows h [N, D] (all its datums, concatenated)."""
-        targets = [d.inputs["target_tokens"] for d in it.datums]
+        """Apply the request's loss to its hidden rows h [N, D] (all its datums, concatenated, moved here from
+        the CPU, where they were validated, to the device)."""
+        dev = base.device
         if it.request.loss_fn != "opsd":
-            lp = _chunked_target_logprobs(base, h, torch.cat(targets), it.adapter, recompute)  # [N] or [N, K]
-            inputs = {k: torch.cat([d.inputs[k] for d in it.datums]) for k in it.datums[0].inputs}
+            targets = torch.cat([d.inputs["target_tokens"] for d in it.datums]).to(dev)  # [N] or [N, K]
+            lp = _chunked_target_logprobs(base, h, targets, it.adapter, recompute)  # [N] or [N, K]
+            inputs = {k: torch.cat([d.inputs[k] for d in it.datums]).to(dev) for k in it.datums[0].inputs}
             return loss_spec(it.request.loss_fn).fn(lp, inputs, it.config)
         lps, student_kl, start = [], [], 0
         for d, (s_pos, _) in zip(it.datums, it.opsd_pairs):
             hd = h[start:start + d.length]
-            lps.append(_chunked_target_logprobs(base, hd, d.inputs["target_tokens"], it.adapter, recompute))
-            student_kl.append(full_logprobs(unembed(base, hd[s_pos], RowGroups([(0, len(s_pos), it.adapter)]))))
+            lps.append(_chunked_target_logprobs(base, hd, d.inputs["target_tokens"].to(dev), it.adapter, recompute))
+            student_kl.append(full_logprobs(unembed(base, hd[s_pos.to(dev)],
+                                                    RowGroups([(0, len(s_pos), it.adapter)]))))
             start += d.length
-        return opsd.objective(lps, student_kl, teacher_kl, [d.inputs["loss_mask"] for d in it.datums],
-                              [p[0] for p in it.opsd_pairs], it.config)
+        return opsd.objective(lps, student_kl, teacher_kl, [d.inputs["loss_mask"].to(dev) for d in it.datums],
+                              [p[0].to(dev) for p in it.opsd_pairs], it.config)
 
     def _teacher_logprobs(self, base: BaseModel, items: list[_Prepared]) -> list[list[torch.Tensor] | None]:
         """opsd teacher streams through the same weights, no gradient: [K, V] log-probs per datum."""
@@ -316,15 +322,15 @@ class Engine:
         if not rows:
             return out
         T = max(int(d.inputs[opsd.TEACHER].shape[0]) for _, d, _ in rows)
-        tokens = torch.zeros(len(rows), T, dtype=torch.int64)
+        tokens = torch.zeros(len(rows), T, dtype=torch.int64, device="cpu")
         bounds = []
         for r, (i, d, _) in enumerate(rows):
             tokens[r, : d.inputs[opsd.TEACHER].shape[0]] = d.inputs[opsd.TEACHER]
             bounds.append((r, r + 1, items[i].adapter))
         with torch.no_grad():
-            hidden = forward_hidden(base, tokens, RowGroups(bounds))
+            hidden = forward_hidden(base, tokens.to(base.device), RowGroups(bounds))
             for r, (i, d, pos) in enumerate(rows):
-                h = hidden[r, pos]  # [K, D]
+                h = hidden[r, pos.to(base.device)]  # [K, D]
                 lp = full_logprobs(unembed(base, h, RowGroups([(0, len(pos), items[i].adapter)])))
                 out[i] = (out[i] or []) + [lp]
         return out

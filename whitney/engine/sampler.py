@@ -13,6 +13,11 @@ Log-probs: each generated token's log-prob is log_softmax(logits) of the model a
 whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
 training `forward` give for that token, which is what an importance ratio against the learner needs.
 
+Devices: the cache, the batch and every choice live on the base model's device; each row's generator
+is a CPU generator on every device (one float64 uniform per row per token, copied to the device as one
+[B] tensor): a CUDA generator would cost a kernel and a synchronisation per row per step, and the CPU
+one draws the same uniforms whatever the device.
+
 Shape legend: B running rows, P prompt length, V vocabulary, E head dim.
 """
 
@@ -87,7 +92,7 @@ class SampleRequest:
 class _Row:
     request: SampleRequest
     index: int  # which of the request's samples
-    generator: torch.Generator
+    generator: torch.Generator  # on the CPU (see the module docstring)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -142,9 +147,10 @@ def _draws(p: SamplingParams) -> bool:
 
 
 def uniforms(rows: list[_Row]) -> torch.Tensor:
-    """[B] float64: one uniform in [0, 1) from each sampling row's own generator; greedy rows draw none (0)."""
-    return torch.tensor([torch.rand(1, generator=r.generator, dtype=torch.float64).item()
-                         if _draws(r.request.params) else 0.0 for r in rows], dtype=torch.float64)
+    """[B] float64 on the CPU: one uniform in [0, 1) from each sampling row's own generator; greedy rows draw
+    none (0)."""
+    return torch.tensor([torch.rand(1, generator=r.generator, dtype=torch.float64, device="cpu").item()
+                         if _draws(r.request.params) else 0.0 for r in rows], dtype=torch.float64, device="cpu")
 
 
 def next_tokens(logits: torch.Tensor, rows: list[_Row], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,35 +159,37 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row], u: torch.Tensor) -> tupl
     Greedy rows (temperature 0 or top_k 1) take the argmax. The others are sampled together: scale by
     temperature, keep each row's top_k and top_p nucleus, then invert the row's CDF at the row's
     uniform (drawn from its own generator by `uniforms`), so a row's choice never depends on the rest
-    of the batch. Returns tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1).
+    of the batch. Returns tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1),
+    on the logits' device.
     """
+    dev = logits.device
     logprobs = full_logprobs(logits)  # [B, V]
     chosen = torch.argmax(logits, dim=-1)  # [B]
     params = [r.request.params for r in rows]
     sampled = [b for b, p in enumerate(params) if _draws(p)]
     if sampled:
-        idx = torch.tensor(sampled)
+        idx = torch.tensor(sampled, device=dev)
         scores = logits.float() if len(sampled) == len(rows) else logits[idx].float()  # [S, V]
-        temps = torch.tensor([params[b].temperature for b in sampled], dtype=torch.float32)
+        temps = torch.tensor([params[b].temperature for b in sampled], dtype=torch.float32, device=dev)
         # Max subtracted first so that a tiny temperature cannot overflow to inf.
         scores = scores - scores.max(-1, keepdim=True).values
         if bool((temps != 1).any()):
             scores = scores / temps.clamp(min=1e-30)[:, None]
-        ks = torch.tensor([params[b].top_k if params[b].top_k > 1 else 0 for b in sampled])
+        ks = torch.tensor([params[b].top_k if params[b].top_k > 1 else 0 for b in sampled], device=dev)
         if bool((ks > 0).any()):
             top = torch.topk(scores, int(ks.max()), dim=-1).values  # [S, kmax]
             kth = top.gather(1, (ks - 1).clamp(min=0)[:, None])  # [S, 1]
             kth = torch.where(ks[:, None] > 0, kth, torch.full_like(kth, -math.inf))
             scores = scores.masked_fill(scores < kth, -math.inf)
         probs = torch.softmax(scores, dim=-1).double()  # [S, V]
-        top_ps = torch.tensor([params[b].top_p for b in sampled], dtype=torch.float64)
+        top_ps = torch.tensor([params[b].top_p for b in sampled], dtype=torch.float64, device=dev)
         if bool((top_ps < 1).any()):
             sorted_p, order = torch.sort(probs, dim=-1, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_ps[:, None]
             probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
         cdf = torch.cumsum(probs, dim=-1)  # [S, V], unnormalised: u is scaled to each row's total instead
-        u = u[idx]  # [S]
+        u = u.to(dev)[idx]  # [S]
         # right=True: the first token whose cumulative mass exceeds u; a zero-probability token never is.
         picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
         chosen[idx] = picks
@@ -203,7 +211,8 @@ class Sampler:
         self.queue: list[SampleRequest] = []
         self.rows: list[_Row] = []
         self.cache = KVCache.empty(base)
-        self._pending_tokens = torch.zeros(0, dtype=torch.int64)  # [B] last sampled token, not yet cached
+        self.device = base.device  # the cache, the batch and the choices; generators stay on the CPU
+        self._pending_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] last sampled, not cached
 
     def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> SampleRequest:
         """Validate and queue a request; it runs on the next steps. Excess requests wait, never fail."""
@@ -263,9 +272,10 @@ class Sampler:
         others are admitted as if it had not been there.
         """
         P = max(len(r.prompt) for r in requests)
-        tokens = torch.zeros(len(requests), P, dtype=torch.int64)
+        tokens = torch.zeros(len(requests), P, dtype=torch.int64, device="cpu")
         for i, r in enumerate(requests):
-            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.int64, device="cpu")
+        tokens = tokens.to(self.device)  # filled on the CPU, one copy to the device
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             hidden = forward_hidden(self.base, tokens, RowGroups([(i, i + 1, r.adapter) for i, r in
@@ -293,14 +303,14 @@ class Sampler:
             first_logits.append(logits[-1:].expand(n, -1))
             seed = r.params.seed if r.params.seed is not None else random.getrandbits(63)
             for s in range(n):
-                gen = torch.Generator().manual_seed((seed + 0x9E3779B97F4A7C15 * s) % 2**63)
+                gen = torch.Generator(device="cpu").manual_seed((seed + 0x9E3779B97F4A7C15 * s) % 2**63)
                 new_rows.append(_Row(r, s, gen))
             copies += [i] * n
             r.pending = n
         if not new_rows:
             return
-        index = torch.tensor(copies)
-        lengths = torch.tensor([len(requests[i].prompt) for i in copies])
+        index = torch.tensor(copies, device=self.device)
+        lengths = torch.tensor([len(requests[i].prompt) for i in copies], device=self.device)
         chosen, lps = self._choose(torch.cat(first_logits), new_rows)
         # The cache and the rows grow together; rows of a request that failed its choice leave in _record.
         self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
@@ -311,7 +321,7 @@ class Sampler:
     def _prompt_logprobs(self, r: SampleRequest, logits: torch.Tensor) -> None:
         """Prompt log-probs [P] (first None) and, if asked, the top-k alternatives at each position."""
         lp = full_logprobs(logits[:-1])  # [P-1, V]: position t predicts prompt[t + 1]
-        targets = torch.tensor(r.prompt[1:], dtype=torch.int64)
+        targets = torch.tensor(r.prompt[1:], dtype=torch.int64, device=logits.device)
         if r.params.prompt_logprobs:
             r.result.prompt_logprobs = [None] + lp.gather(1, targets[:, None])[:, 0].tolist()
         k = r.params.topk_prompt_logprobs
@@ -321,7 +331,7 @@ class Sampler:
                 list(zip(ids, vals)) for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
 
     def _decode(self) -> None:
-        groups = _adapter_groups(self.rows)
+        groups = _adapter_groups(self.rows, self.device)
         hidden = decode_hidden(self.base, self._pending_tokens, groups, self.cache)  # [B, D]
         logits = unembed(self.base, hidden, groups)  # [B, V]
         chosen, lps = self._choose(logits, self.rows)
@@ -339,11 +349,13 @@ class Sampler:
             by_request: dict[int, list[int]] = {}
             for b, row in enumerate(rows):
                 by_request.setdefault(id(row.request), []).append(b)
-            chosen, lps = torch.zeros(len(rows), dtype=torch.int64), torch.zeros(len(rows))
+            dev = logits.device
+            chosen = torch.zeros(len(rows), dtype=torch.int64, device=dev)
+            lps = torch.zeros(len(rows), device=dev)
             for idx in by_request.values():
-                index = torch.tensor(idx)
+                index = torch.tensor(idx, device=dev)
                 try:
-                    chosen[index], lps[index] = next_tokens(logits[index], [rows[b] for b in idx], u[index])
+                    chosen[index], lps[index] = next_tokens(logits[index], [rows[b] for b in idx], u[idx])
                 except Exception as e:
                     rows[idx[0]].request.error = e
             return chosen, lps
@@ -371,7 +383,7 @@ class Sampler:
             row.request.pending -= 1
         keep = [b for b in keep if self.rows[b].request.error is None]  # a request failing above: all its rows
         if len(keep) < len(self.rows):
-            index = torch.tensor(keep, dtype=torch.int64)
+            index = torch.tensor(keep, dtype=torch.int64, device=self.device)
             self.rows = [self.rows[i] for i in keep]
             self.cache.keep(index)
             self._pending_tokens = self._pending_tokens[index]
@@ -390,10 +402,11 @@ class Sampler:
         return None
 
 
-def _adapter_groups(rows: list[_Row]) -> RowGroups:
-    """Decode-batch rows grouped by adapter as index tensors (rows of one adapter need not be adjacent)."""
+def _adapter_groups(rows: list[_Row], device: torch.device) -> RowGroups:
+    """Decode-batch rows grouped by adapter as index tensors on `device` (rows of one adapter need not be
+    adjacent)."""
     by_adapter: dict[int, tuple[list[int], Adapter]] = {}
     for b, row in enumerate(rows):
         if row.request.adapter is not None:
             by_adapter.setdefault(id(row.request.adapter), ([], row.request.adapter))[0].append(b)
-    return RowGroups([(torch.tensor(idx), adapter) for idx, adapter in by_adapter.values()])
+    return RowGroups([(torch.tensor(idx, device=device), adapter) for idx, adapter in by_adapter.values()])
