@@ -380,6 +380,7 @@ def test_export_lora_loads_in_peft_with_equal_logprobs(engine, tiny_model, cfg_n
     assert os.listdir(tmp_path) == ["peft"]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == cfg.rank and config["lora_alpha"] == cfg.alpha
+    assert config["base_model_name_or_path"] == os.path.basename(tiny_model)  # the model's name, no server path
     assert ("lm_head" in config["target_modules"]) == ("lm_head" in run.adapter.A)
 
     base = _hf_base(tiny_model)

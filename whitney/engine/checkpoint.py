@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from whitney.engine.lora import Adapter, LoraConfig, load_adapter_weights
-from whitney.engine.model import UNEMBED, BaseModel, LAYER_PROJECTIONS
+from whitney.engine.model import UNEMBED, BaseModel, LAYER_PROJECTIONS, shown_name
 from whitney.engine.optim import OptimizerState
 from whitney.errors import Conflict, InvalidInput, NotFound
 
@@ -162,7 +162,7 @@ def export_peft(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base.name,
+        "base_model_name_or_path": shown_name(base.name),  # a download never shows a server path
         "r": adapter.config.rank,
         "lora_alpha": adapter.config.alpha,
         "target_modules": _short_names(adapter),

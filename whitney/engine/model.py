@@ -141,6 +141,13 @@ class BaseModel:
         return self.embed.device
 
 
+def shown_name(name: str) -> str:
+    """The name a base model is shown under: a local directory's own name (never a server path), else the
+    name as given (an embedded model's or a Hugging Face repo id)."""
+    path = Path(name).expanduser()
+    return path.resolve().name if path.is_dir() else name
+
+
 def module_path(layer: int, projection: str) -> str:
     """Hugging Face path of one projection, e.g. `model.layers.3.self_attn.q_proj`."""
     return f"model.layers.{layer}.{LAYER_PROJECTIONS[projection]}"

@@ -16,10 +16,11 @@ from starlette.routing import Match, Mount
 from whitney.engine import DEFAULT_MODEL
 from whitney.engine.backend import Backend, EngineConfig, InProcessBackend
 from whitney.engine.checkpoint import remove_leftovers
+from whitney.engine.model import shown_name
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge
 from whitney.service import handlers, schemas, tinker
 from whitney.service.bodies import read_body, replaying
-from whitney.service.deps import ServiceState, Unauthorized, served_name
+from whitney.service.deps import ServiceState, Unauthorized
 from whitney.service.keys import KeyGate, KeyLimits, KeyRing
 from whitney.service.limits import Limits
 from whitney.service.quotas import QuotaExceeded, Quotas
@@ -69,7 +70,7 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
     remove_leftovers(data_dir / "packages")  # half-written checkpoints of a killed process
     # A model served from a directory goes by the directory's name, so no route shows a server path; the
     # path as given still names it. The engine holds the one loaded model under both names.
-    shown = [served_name(name) for name in config.models]
+    shown = [shown_name(name) for name in config.models]
     if len(set(shown)) < len(shown):
         raise ValueError(f"two models would be served under one name: {shown}")
     if backend is None:

@@ -40,12 +40,6 @@ class ServiceState:
         return self.scheduler.backend.models[self.model_aliases.get(base_model, base_model)]
 
 
-def served_name(model: str) -> str:
-    """The name a model is shown under: a local directory's own name (no server path), else the name given."""
-    path = Path(model).expanduser()
-    return path.resolve().name if path.is_dir() else model
-
-
 def state(request: Request) -> ServiceState:
     return request.app.state.whitney
 
