@@ -111,7 +111,6 @@ class InProcessBackend:
     """The Backend over an `Engine` in this process (its numbers are the engine's, unchanged)."""
 
     engine: Engine
-    config: EngineConfig = field(default_factory=EngineConfig)
     _samples: dict[str, SampleRequest] = field(default_factory=dict)
     _info: dict[str, ModelInfo] = field(default_factory=dict)
 
@@ -121,10 +120,18 @@ class InProcessBackend:
         engine = Engine(max_lora_rank=config.max_lora_rank, compute_dtype=config.compute_dtype,
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
                         max_prefill_tokens=config.max_prefill_tokens, device=config.device)
-        backend = cls(engine, config)
+        backend = cls(engine)
         for name in models or [DEFAULT_MODEL]:
             backend.load_model(name)
         return backend
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings, read from the engine itself (so they can never disagree with it)."""
+        e = self.engine
+        return EngineConfig(max_lora_rank=e.max_lora_rank, device=str(e.device), compute_dtype=e.compute_dtype_name,
+                            max_sequences=e.max_sequences, max_cached_tokens=e.max_cached_tokens,
+                            max_prefill_tokens=e.max_prefill_tokens)
 
     def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
         """Load a base model (once) and describe it; `alias` names the same model a second way."""

@@ -11,6 +11,8 @@ Shape legend: B rows (datums), T padded length, D hidden, V vocab, N tokens of o
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,9 @@ from whitney.engine.optim import AdamParams, OptimizerState, optim_step
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
 from whitney.engine.transformer import forward_hidden, unembed
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
+
+# glibc's malloc_trim (None elsewhere): a deleted run's freed heap goes back to the system.
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
 
 # Tokens per unembedding chunk: bounds the [tokens, V] logits held at once (recomputed in backward).
 LOGITS_CHUNK = 1024
@@ -170,24 +175,15 @@ class Engine:
         return self.runs[run_id]
 
     def delete_run(self, run_id: str) -> None:
-        """Forget a run and give its memory back: glibc keeps freed heap pages (a run's tensors of a few MB fall
-        below its adaptive mmap threshold) until malloc_trim, skipped where there is no glibc."""
-        import ctypes
-
-        if self.runs.pop(run_id, None) is not None:
-            try:
-                ctypes.CDLL(None).malloc_trim(0)
-            except (AttributeError, OSError, TypeError):  # not glibc
-                pass
+        """Forget a run and give its memory back (glibc keeps a run's freed MBs until malloc_trim)."""
+        if self.runs.pop(run_id, None) is not None and _MALLOC_TRIM is not None:
+            _MALLOC_TRIM(0)
 
     def commit_gradients(self, run_id: str, stage: str) -> None:
         """Add a staged operation's gradient (all its micro-batches) to the run's accumulator."""
         run = self.get_run(run_id)
         for name, g in run.staged.pop(stage, {}).items():
-            if name in run.grads:
-                run.grads[name] += g
-            else:
-                run.grads[name] = g
+            _add(run.grads, name, g)
 
     def discard_gradients(self, run_id: str, stage: str) -> None:
         """Forget a staged operation's gradient (it failed or was cancelled part-way)."""
@@ -344,12 +340,8 @@ class Engine:
         total = sum(o.loss for o in outputs)
         grads = torch.autograd.grad(total, [p for _, _, p in params], allow_unused=True)
         for (acc, name, _), g in zip(params, grads):
-            if g is None:
-                continue
-            if name in acc:
-                acc[name] += g
-            else:  # first forward_backward since the last optim_step: keep autograd's tensor
-                acc[name] = g
+            if g is not None:
+                _add(acc, name, g)
 
     def _result(self, it: _Prepared, o: LossOutput) -> ForwardResult:
         outputs, start = [], 0
@@ -478,6 +470,14 @@ class Engine:
             ckpt.export_merged(path, run.adapter, run.base)
         else:
             ckpt.export_peft(path, run.adapter, run.base)
+
+
+def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
+    """Add a gradient into an accumulator; the first one since the last optim_step is kept as is."""
+    if name in acc:
+        acc[name] += g
+    else:
+        acc[name] = g
 
 
 def _chunked_target_logprobs(base: BaseModel, h: torch.Tensor, targets: torch.Tensor,

@@ -91,8 +91,7 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
     app = FastAPI(title="Whitney", version="0.1.0", lifespan=lifespan,
                   description="Fine-tuning through training primitives: many LoRA runs on one base model.")
     keys = KeyRing(store, list(config.api_keys), config.require_keys)
-    app.state.whitney = ServiceState(store, scheduler, shown, keys, data_dir,
-                                     config.limits.max_request_bytes, config.limits,
+    app.state.whitney = ServiceState(store, scheduler, shown, keys, data_dir, config.limits,
                                      Quotas(store, keys, config.key_limits, backend),
                                      {name: public for name, public in zip(config.models, shown) if name != public})
     for module in (capabilities, sessions, operations, sampling, checkpoints):

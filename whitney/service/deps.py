@@ -25,7 +25,6 @@ class ServiceState:
     models: list[str]  # base-model names served, the first is the default (a local directory by its name)
     keys: KeyRing
     data_dir: Path
-    max_request_bytes: int
     limits: Limits  # what one request may ask for (whitney.service.limits)
     quotas: Quotas  # what one key may hold (whitney.service.quotas)
     # A model served from a directory is named by the directory's name; the path as given to the server is
