@@ -92,6 +92,15 @@ def absolute(name: str, r: dict) -> str:
         return (f"{r['operations']} operations, {r['operations_per_s']:.1f}/s, {r['n_errors']} errors; RSS "
                 f"{rss[0][1]:.0f} -> {rss[-1][1]:.0f} MiB; " + ", ".join(
                     f"{k} p50 {v['p50_s']:.2f} / p99 {v['p99_s']:.2f} s" for k, v in r["latency"].items()))
+    if name == "cluster":
+        load = {k: r[k]["under_load"] for k in ("inprocess", "ray_replica")}
+        return (f"optim_step p50 in-process {r['inprocess']['trivial_p50_ms']:.1f} ms, Ray "
+                f"{r['ray']['trivial_p50_ms']:.1f} ms; SFT in-process {r['inprocess']['sft_tokens_per_s']:.0f} tok/s, "
+                f"Ray {r['ray']['sft_tokens_per_s']:.0f} tok/s; under training load: sample p50 in-process "
+                f"{load['inprocess']['sample_p50_s']:.2f} s (n={load['inprocess']['samples']}, training "
+                f"{load['inprocess']['train_tokens_per_s']:.0f} tok/s), Ray with a replica "
+                f"{load['ray_replica']['sample_p50_s']:.2f} s (n={load['ray_replica']['samples']}, training "
+                f"{load['ray_replica']['train_tokens_per_s']:.0f} tok/s)")
     if name == "peers":
         parts = []
         for who, x in r["results"].items():

@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", action="append", default=[], help="required bearer key (repeatable)")
     serve.add_argument("--session-timeout", type=float, default=600.0, help="seconds without heartbeat")
     add_engine_flags(serve)
+    add_backend_flags(serve)
     add_request_limit_flags(serve)
     add_key_limit_flags(serve)
     add_keys_command(sub)
@@ -56,12 +57,18 @@ def serve_main(args) -> int:
     from whitney.engine import DEFAULT_MODEL
     from whitney.service.app import ServiceConfig, create_app, serve_in_thread
 
-    config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
-                           session_timeout=args.session_timeout, engine=engine_config(args),
-                           limits=request_limits(args), require_keys=args.require_keys, key_limits=key_limits(args))
+    from whitney.errors import WhitneyError
+
+    try:
+        config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
+                               session_timeout=args.session_timeout, engine=engine_config(args),
+                               limits=request_limits(args), require_keys=args.require_keys,
+                               key_limits=key_limits(args), **backend_config(args))
+    except WhitneyError as e:
+        print(f"whitney serve: {e.message}", file=sys.stderr)
+        return 2
     if args.data_dir:
         config.data_dir = Path(args.data_dir)
-    from whitney.errors import WhitneyError
 
     # HTTP on a thread, the engine's worker loop on the main thread (see Scheduler.run for why).
     try:
@@ -110,6 +117,43 @@ def engine_config(args):
 
     return EngineConfig(max_lora_rank=args.max_lora_rank, device=args.device, compute_dtype=args.dtype,
                         max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens)
+
+
+# ---- where the engine runs ----------------------------------------------------------------------
+
+def add_backend_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("backend", "where the engine runs (docs/DEPLOY.md)")
+    group.add_argument("--backend", choices=["inprocess", "ray"], default="inprocess",
+                       help="inprocess: this process (default); ray: one training worker per base model, and "
+                            "--samplers replicas, as Ray actors on a cluster")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="a running Ray cluster (e.g. 10.0.0.1:6379 or auto); default: start a local one")
+    group.add_argument("--samplers", type=int, default=0, metavar="K",
+                       help="ray: sampler replicas per base model serving sample and compute_logprobs "
+                            "(default 0: the training worker samples too)")
+    group.add_argument("--worker-resources", action="append", default=[], metavar="MODEL=cpus:N,gpus:N,RES:N",
+                       help="ray: resources of each worker of MODEL (as given to --model or its served name); "
+                            "other keys are custom Ray resources, e.g. a node label (repeatable; default cpus:1)")
+
+
+def backend_config(args) -> dict:
+    """ServiceConfig's backend fields from the flags (InvalidInput naming the flag's rule)."""
+    from whitney.errors import InvalidInput
+
+    if args.backend != "ray" and (args.ray_address or args.samplers or args.worker_resources):
+        raise InvalidInput("--ray-address, --samplers and --worker-resources need --backend ray")
+    if args.samplers < 0:
+        raise InvalidInput(f"--samplers must be >= 0, got {args.samplers}")
+    resources = {}
+    for spec in args.worker_resources:
+        model, sep, items = spec.partition("=")
+        if not sep or not model:
+            raise InvalidInput(f"--worker-resources {spec!r}: write MODEL=cpus:N,gpus:N,RESOURCE:N")
+        from whitney.engine.ray_backend import Placement
+
+        resources[model] = Placement.parse_resources(items)
+    return dict(backend=args.backend, ray_address=args.ray_address, samplers=args.samplers,
+                worker_resources=resources)
 
 
 # ---- per-request limits -------------------------------------------------------------------------

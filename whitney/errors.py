@@ -50,6 +50,12 @@ class Conflict(WhitneyError):
     code = "conflict"
 
 
+class Unavailable(WhitneyError):
+    """What the request needs is briefly out of service (a worker restarting after a failure): retry soon."""
+
+    code = "unavailable"
+
+
 def check(condition: bool, message: str, *, field: str | None = None, datum_index: int | None = None) -> None:
     """Raise InvalidInput(message) unless condition holds."""
     if not condition:

@@ -36,6 +36,8 @@ class FakeBackend:
     staged: dict[tuple[str, str], float] = field(default_factory=dict)
     samples: dict[str, list] = field(default_factory=dict)  # request id -> [prompt, params, tokens]
     broken: bool = False  # run_batch raises (a backend bug)
+    lost: list[str] = field(default_factory=list)  # runs take_lost_runs reports next
+    separate_sampling: bool = False
 
     @property
     def models(self) -> dict[str, ModelInfo]:
@@ -99,7 +101,8 @@ class FakeBackend:
 
     save_weights = export_lora = lambda self, run_id, path, *a, **k: Path(path).mkdir(parents=True)
 
-    def save_weights_for_sampler(self, run_id) -> int:
+    def save_weights_for_sampler(self, run_id, path) -> int:
+        self.save_state(run_id, path)
         return 1
 
     def compute_logprobs(self, sequences, weights):
@@ -121,10 +124,18 @@ class FakeBackend:
             del self.samples[request_id]
         return ended
 
+    def take_lost_runs(self) -> list[str]:
+        lost, self.lost = self.lost, []
+        return lost
 
-@pytest.fixture
-def fake(tmp_path):
-    backend = FakeBackend()
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(params=[False, True], ids=["one-thread", "sampling-apart"])
+def fake(tmp_path, request):
+    """The scheduler over the fake: sampling on the training thread, and on its own (`separate_sampling`)."""
+    backend = FakeBackend(separate_sampling=request.param)
     store = Store(f"sqlite:///{tmp_path / 'f.db'}")
     scheduler = Scheduler(backend, store, tmp_path, max_batch_tokens=10)
     session = store.create_session("me")
@@ -226,3 +237,28 @@ def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):
     assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2)))["status"] == "succeeded"
     saved = wait(scheduler.store, submit("a", 2, "save_state", SaveJob("s")))
     assert saved["status"] == "succeeded" and saved["result"]["package"]["name"] == "s"
+
+
+def test_sampling_apart_runs_on_its_own_thread(fake):
+    backend, scheduler, _, _ = fake
+    threads = {t.name for t in scheduler._threads}
+    assert threads == ({"whitney-worker", "whitney-sampler"} if backend.separate_sampling else {"whitney-worker"})
+
+
+def test_a_lost_run_is_interrupted_and_its_waiting_operations_fail(fake):
+    backend, scheduler, open_run, submit = fake
+    store = scheduler.store
+    open_run("a")
+    open_run("b")
+    with scheduler._lock:  # a's seq_id 1 waits behind the missing 0 when its worker is reported lost
+        waiting = submit("a", 1, "optim_step", OptimJob(AdamParams()))
+        backend.lost.append("a")
+    failed = wait(store, waiting)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_lost"
+    assert failed["error"]["category"] == "server"
+    deadline = time.monotonic() + 10
+    while store.get_run("a")["status"] != "interrupted":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "resume" in store.get_run("a")["error"]
+    assert wait(store, submit("b", 0, "forward_backward", fb(2)))["status"] == "succeeded", "other runs go on"

@@ -136,5 +136,5 @@ def test_sampler_handle_and_pickle(service_client, trained):
 def test_max_tokens_none_samples_to_the_end_of_the_context(service_client, trained, tinker_env):
     sc = service_client.create_sampling_client(model_path=trained["path"]).result()
     got = sc.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(seed=2, stop=[])).result()
-    context = tinker_env.engine.models[trained["tc"].get_info().model_data.model_name].config.max_context
+    context = tinker_env.app.state.whitney.model_info(trained["tc"].get_info().model_data.model_name).max_context
     assert len(got.sequences[0].tokens) == context - len(PROMPT) and got.sequences[0].stop_reason == "length"

@@ -24,7 +24,8 @@ from whitney.engine.lora import LoraConfig
 from whitney.engine.losses import LOSS_CONFIG_KEYS, LOSS_NAMES
 from whitney.engine.model import DEFAULT_MODEL
 from whitney.engine.optim import AdamParams
-from whitney.engine.runs import DatumOutput, Engine, ForwardRequest, ForwardResult, merge_results
+from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, merge_results
+from whitney.engine.runs import Engine
 
 __all__ = ["AdamParams", "Backend", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "EngineConfig", "Failure",
            "ForwardRequest", "ForwardResult", "InProcessBackend", "LOSS_CONFIG_KEYS", "LOSS_NAMES", "LoraConfig",

@@ -11,11 +11,17 @@ no exception objects in results), so a backend can live in this process (`InProc
   create_run / delete_run         a run's adapter (optionally loaded from a checkpoint), and its end
   run_batch(requests, backward)   forward(_backward) of several runs' requests: a result or a Failure each
   commit_gradients / discard_gradients   a micro-batched operation's staged gradient, added or dropped
-  optim_step, save_state, load_state, save_weights, export_lora, save_weights_for_sampler
+  optim_step, save_state, load_state, save_weights, export_lora
+  save_weights_for_sampler(run_id, path) -> version: frozen, written to `path`, loadable everywhere
   compute_logprobs(sequences, weights)
   submit_sample(request_id, prompt, params, weights); sample_step() -> [(request_id, result | Failure)]
+  take_lost_runs()                runs whose worker died since the last call (their state is gone)
+  close()                         stop the workers
+  separate_sampling               True when sampling and scoring run apart from training (other workers):
+                                  the service then drives them from a second thread
 
-Single calls raise a `WhitneyError` for the caller's mistakes; anything else is a bug of the backend.
+Single calls raise a `WhitneyError` for the caller's mistakes and `WorkerLost` when the worker holding
+the state died; anything else is a bug of the backend. `RayBackend` (ray_backend.py) is the other one.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
 
 from whitney.engine.config import EngineConfig
-from whitney.engine.lora import LoraConfig, validate_lora_config
-from whitney.engine.model import DEFAULT_MODEL
+from whitney.engine.lora import LoraConfig, adaptable_short_names, validate_lora_config
+from whitney.engine.model import COMPUTE_DTYPES, BaseModel
 from whitney.engine.optim import AdamParams
-from whitney.engine.runs import Engine, ForwardRequest, ForwardResult
+from whitney.engine.requests import ForwardRequest, ForwardResult
+from whitney.engine.runs import Engine
 from whitney.engine.sampler import SampleRequest, SampleResult, SamplingParams
-from whitney.errors import WhitneyError
+from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
 
 BYTES_PER_PARAMETER = 16  # a float32 LoRA weight, AdamW's two moments, and the gradient accumulator
 
@@ -46,6 +53,28 @@ class ModelInfo:
     compute_dtype: str  # resolved: "float32" or "bfloat16"
     device: str  # resolved: "cpu" or "cuda:N"
     eos_token_ids: tuple[int, ...]
+    linear_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # path -> (in, out)
+
+    @classmethod
+    def of(cls, base: BaseModel, name: str) -> "ModelInfo":
+        return cls(name=name, model_type=base.config.model_type, vocab_size=base.config.vocab_size,
+                   max_context=base.config.max_context,
+                   adaptable_modules=tuple(sorted(adaptable_short_names(base.linear_shapes))),
+                   compute_dtype=next(k for k, v in COMPUTE_DTYPES.items() if v == base.compute_dtype),
+                   device=str(base.device), eos_token_ids=tuple(base.eos_token_ids),
+                   linear_shapes=dict(base.linear_shapes))
+
+
+def adapter_bytes(info: ModelInfo, lora: LoraConfig, max_rank: int) -> int:
+    """Memory one run of this LoRA config holds on the model (validates the config: InvalidInput)."""
+    paths = validate_lora_config(lora, info.linear_shapes, max_rank)
+    return BYTES_PER_PARAMETER * lora.rank * sum(sum(info.linear_shapes[p]) for p in paths)
+
+
+class WorkerLost(RuntimeError):
+    """The worker process that held a run's state (or ran a request) died; what it held is gone."""
+
+    code = "worker_lost"
 
 
 @dataclass(frozen=True)
@@ -75,15 +104,31 @@ class Failure:
     def of(cls, error: BaseException) -> "Failure":
         if isinstance(error, WhitneyError):
             return cls(error.code, error.message, "user", error.field, error.datum_index)
+        if isinstance(error, WorkerLost):
+            return cls(WorkerLost.code, str(error), "server")
         return cls("internal", f"{type(error).__name__}: {error}", "server")
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+_ERRORS = {cls.code: cls for cls in (InvalidInput, NotFound, TooLarge, Conflict, Unavailable)}
+
+
+def raise_failure(failure: Failure) -> None:
+    """Raise the error a Failure carries: a user's as its WhitneyError, a lost worker's as WorkerLost."""
+    if failure.code == WorkerLost.code:
+        raise WorkerLost(failure.message)
+    if failure.category == "user":
+        raise _ERRORS.get(failure.code, WhitneyError)(failure.message, field=failure.field,
+                                                      datum_index=failure.datum_index)
+    raise RuntimeError(f"{failure.code}: {failure.message}")
+
+
 @runtime_checkable
 class Backend(Protocol):
     config: EngineConfig
+    separate_sampling: bool
 
     @property
     def models(self) -> dict[str, ModelInfo]: ...
@@ -100,10 +145,12 @@ class Backend(Protocol):
     def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None: ...
     def save_weights(self, run_id: str, path: str, merge: bool = False) -> None: ...
     def export_lora(self, run_id: str, path: str) -> None: ...
-    def save_weights_for_sampler(self, run_id: str) -> int: ...
+    def save_weights_for_sampler(self, run_id: str, path: str) -> int: ...
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]: ...
     def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights) -> None: ...
     def sample_step(self) -> list[tuple[str, SampleResult | Failure]]: ...
+    def take_lost_runs(self) -> list[str]: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -113,6 +160,7 @@ class InProcessBackend:
     engine: Engine
     _samples: dict[str, SampleRequest] = field(default_factory=dict)
     _info: dict[str, ModelInfo] = field(default_factory=dict)
+    separate_sampling = False  # one engine, one thread: sampling steps interleave with training calls
 
     @classmethod
     def start(cls, config: EngineConfig, models: list[str]) -> "InProcessBackend":
@@ -121,7 +169,7 @@ class InProcessBackend:
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
                         max_prefill_tokens=config.max_prefill_tokens, device=config.device)
         backend = cls(engine)
-        for name in models or [DEFAULT_MODEL]:
+        for name in models:
             backend.load_model(name)
         return backend
 
@@ -136,11 +184,7 @@ class InProcessBackend:
     def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
         """Load a base model (once) and describe it; `alias` names the same model a second way."""
         base = self.engine.load_model(name)
-        info = ModelInfo(name=alias or name, model_type=base.config.model_type, vocab_size=base.config.vocab_size,
-                         max_context=base.config.max_context,
-                         adaptable_modules=tuple(sorted({p.rsplit(".", 1)[-1] for p in base.linear_shapes})),
-                         compute_dtype=self.engine.compute_dtype_name, device=str(base.device),
-                         eos_token_ids=tuple(base.eos_token_ids))
+        info = ModelInfo.of(base, alias or name)
         self._info[info.name] = info
         if alias is not None:
             self.engine.models.setdefault(alias, base)
@@ -151,9 +195,8 @@ class InProcessBackend:
         return dict(self._info)
 
     def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int:
-        base = self.engine.load_model(base_model)
-        paths = validate_lora_config(lora, base, self.engine.max_lora_rank)
-        return BYTES_PER_PARAMETER * lora.rank * sum(sum(base.linear_shapes[p]) for p in paths)
+        return adapter_bytes(self._info.get(base_model) or ModelInfo.of(self.engine.load_model(base_model),
+                                                                        base_model), lora, self.engine.max_lora_rank)
 
     def validate(self, request: ForwardRequest, backward: bool) -> int:
         return self.engine.validate(request, backward)
@@ -196,8 +239,10 @@ class InProcessBackend:
     def export_lora(self, run_id: str, path: str) -> None:
         self.engine.export_lora(run_id, path)
 
-    def save_weights_for_sampler(self, run_id: str) -> int:
-        return self.engine.save_weights_for_sampler(run_id)
+    def save_weights_for_sampler(self, run_id: str, path: str) -> int:
+        version = self.engine.save_weights_for_sampler(run_id)
+        self.engine.save_state(run_id, path, include_optimizer=False)
+        return version
 
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]:
         return self.engine.compute_logprobs(sequences, **weights.as_kwargs())
@@ -228,5 +273,17 @@ class InProcessBackend:
             del self._samples[request_id]
         return ended
 
+    def take_lost_runs(self) -> list[str]:
+        return []  # the engine lives and dies with this process
 
-__all__ = ["BYTES_PER_PARAMETER", "Backend", "EngineConfig", "Failure", "InProcessBackend", "ModelInfo", "Weights"]
+    @property
+    def sampling(self) -> int:
+        """Sampling requests in flight."""
+        return len(self._samples)
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["BYTES_PER_PARAMETER", "Backend", "EngineConfig", "Failure", "InProcessBackend", "ModelInfo", "Weights",
+           "WorkerLost", "adapter_bytes"]

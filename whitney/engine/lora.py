@@ -7,6 +7,7 @@ Hugging Face path. Which rows of a batch use which adapter is data too (`RowGrou
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, asdict, field
 
@@ -75,17 +76,19 @@ class Adapter:
         return [(f"{name}.lora_{ab}", t) for name in self.A for ab, t in (("A", self.A[name]), ("B", self.B[name]))]
 
 
-def adaptable_short_names(base: BaseModel) -> list[str]:
-    """Short module names a run may list in target_modules, checked against the model's real modules."""
-    present = [p for p in LAYER_PROJECTIONS if module_path(0, p) in base.linear_shapes]
-    if UNEMBED in base.linear_shapes:
+def adaptable_short_names(linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """Short module names a run may list in target_modules, checked against the model's real modules
+    (`linear_shapes`: every adaptable linear's full path -> (in, out), as `BaseModel.linear_shapes`)."""
+    present = [p for p in LAYER_PROJECTIONS if module_path(0, p) in linear_shapes]
+    if UNEMBED in linear_shapes:
         present.append(UNEMBED)
     return present
 
 
-def target_module_paths(base: BaseModel, config: LoraConfig) -> list[str]:
-    """Full module paths to adapt, after validating the config against the base model."""
-    valid = adaptable_short_names(base)
+def target_module_paths(linear_shapes: dict[str, tuple[int, int]], config: LoraConfig) -> list[str]:
+    """Full module paths to adapt (layer by layer, lm_head last), after validating the config against the
+    model's adaptable linears."""
+    valid = adaptable_short_names(linear_shapes)
     if config.target_modules is not None:
         check(len(config.target_modules) > 0, "target_modules must name at least one module", field="target_modules")
         for name in config.target_modules:
@@ -97,13 +100,15 @@ def target_module_paths(base: BaseModel, config: LoraConfig) -> list[str]:
                  or (config.train_mlp and n in MLP_PROJECTIONS) or (config.train_unembed and n == UNEMBED)]
         check(len(short) > 0, "train_attn, train_mlp and train_unembed are all false: nothing to train",
               field="train_attn")
-    paths = [module_path(i, p) for i in range(base.config.num_layers) for p in short if p != UNEMBED]
+    layers = next(i for i in itertools.count() if module_path(i, "q_proj") not in linear_shapes)
+    paths = [module_path(i, p) for i in range(layers) for p in short if p != UNEMBED]
     if UNEMBED in short:
         paths.append(UNEMBED)
     return paths
 
 
-def validate_lora_config(config: LoraConfig, base: BaseModel, max_rank: int = DEFAULT_MAX_RANK) -> list[str]:
+def validate_lora_config(config: LoraConfig, linear_shapes: dict[str, tuple[int, int]],
+                         max_rank: int = DEFAULT_MAX_RANK) -> list[str]:
     """Check every field; return the module paths to adapt."""
     check(isinstance(config.rank, int) and not isinstance(config.rank, bool) and 1 <= config.rank <= max_rank,
           f"rank must be an integer from 1 to {max_rank}, got {config.rank!r}", field="rank")
@@ -112,7 +117,7 @@ def validate_lora_config(config: LoraConfig, base: BaseModel, max_rank: int = DE
           f"alpha must be a positive finite number, got {config.alpha!r}", field="alpha")
     check(isinstance(config.seed, int) and not isinstance(config.seed, bool) and 0 <= config.seed < 2**63,
           f"seed must be a non-negative integer below 2**63, got {config.seed!r}", field="seed")
-    return target_module_paths(base, config)
+    return target_module_paths(linear_shapes, config)
 
 
 def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MAX_RANK) -> Adapter:
@@ -121,7 +126,7 @@ def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MA
     B = 0 makes a new run compute exactly the base model. The same seed gives the same A on every device:
     A is drawn on the CPU, then moved to the base model's device.
     """
-    paths = validate_lora_config(config, base, max_rank)
+    paths = validate_lora_config(config, base.linear_shapes, max_rank)
     gen = torch.Generator(device="cpu").manual_seed(config.seed)
     A, B = {}, {}
     for path in paths:

@@ -29,6 +29,7 @@ from whitney.engine.model import (
     target_logprobs,
 )
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step
+from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, check_request
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
 from whitney.engine.transformer import forward_hidden, unembed
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
@@ -60,58 +61,6 @@ class Run:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self.adapter.named_parameters())
-
-
-@dataclass
-class ForwardRequest:
-    """One forward or forward_backward call: a run's datums and its loss. run_id None = the base model."""
-
-    run_id: str | None
-    data: list[Datum]
-    loss_fn: str = "cross_entropy"
-    loss_config: dict = field(default_factory=dict)
-    base_model: str | None = None  # only when run_id is None
-    # forward_backward of one micro-batch of a larger operation: its gradient is added to the run's
-    # staging area of this name, not to the accumulator (see Engine.commit_gradients).
-    stage: str | None = None
-
-
-@dataclass
-class DatumOutput:
-    logprobs: list[float]  # [N] learner log-prob per position (soft targets: weight-normalised mean)
-    elementwise_loss: list[float]  # [N] per-position contribution to the loss
-
-
-@dataclass
-class ForwardResult:
-    loss: float  # summed over tokens (opsd: summed over rows)
-    metrics: dict[str, float]
-    outputs: list[DatumOutput]
-    mean_counts: dict[str, float] = field(default_factory=dict)  # see LossOutput.mean_counts
-
-
-def merge_results(parts: list[ForwardResult]) -> ForwardResult:
-    """The result of one request from the results of its micro-batches (consecutive datums, in order).
-
-    Losses and metrics whose name ends in "sum" add up; every other metric is a mean, weighted by what
-    it averages over (its `mean_counts`, else the micro-batch's tokens), so the merge equals one pass.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    metrics: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for part in parts:
-        tokens = part.metrics.get("tokens:sum", float(sum(len(o.logprobs) for o in part.outputs)))
-        for name, value in part.metrics.items():
-            if name.endswith("sum"):
-                metrics[name] = metrics.get(name, 0.0) + value
-                continue
-            weight = part.mean_counts.get(name, tokens)
-            metrics[name] = metrics.get(name, 0.0) + value * weight
-            counts[name] = counts.get(name, 0.0) + weight
-    for name, weight in counts.items():
-        metrics[name] = metrics[name] / weight if weight else 0.0
-    return ForwardResult(sum(p.loss for p in parts), metrics, [o for p in parts for o in p.outputs], counts)
 
 
 @dataclass
@@ -239,29 +188,13 @@ class Engine:
 
     def _prepare(self, request: ForwardRequest, backward: bool) -> _Prepared:
         if request.run_id is None:
-            if backward:
-                raise InvalidInput("forward_backward needs a run", field="run_id")
             run, adapter = None, None
             base = self.load_model(request.base_model or DEFAULT_MODEL)
         else:
             run = self.get_run(request.run_id)
             adapter, base = run.adapter, run.base
-        spec = loss_spec(request.loss_fn)
-        config = spec.config(request.loss_config or {})
-        if not isinstance(request.data, list) or not request.data:
-            raise InvalidInput("data must be a non-empty list of datums", field="data")
-        datums = [prepare_datum(d, i, spec.inputs, set(spec.required), base.config.vocab_size,
-                                base.config.max_context) for i, d in enumerate(request.data)]
-        shapes = [tuple(d.inputs["target_tokens"].shape[1:]) for d in datums]
-        for i, s in enumerate(shapes):
-            if s != shapes[0]:
-                raise InvalidInput(f"datum {i}: target_tokens must be all [N] or all [N, K] with one K in a "
-                                   f"request; datum 0 has trailing shape {list(shapes[0])}, datum {i} has "
-                                   f"{list(s)}", field="target_tokens", datum_index=i)
-        prepared = _Prepared(request, adapter, run, datums, config)
-        if request.loss_fn == "opsd":
-            prepared.opsd_pairs = [opsd.validate_row(d, i, config) for i, d in enumerate(datums)]
-        return prepared
+        checked = check_request(request, backward, base.config.vocab_size, base.config.max_context)
+        return _Prepared(request, adapter, run, checked.datums, checked.config, checked.opsd_pairs)
 
     def _compute(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[ForwardResult]:
         teacher_kl = self._teacher_logprobs(base, items)

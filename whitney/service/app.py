@@ -17,7 +17,7 @@ from whitney.engine import DEFAULT_MODEL
 from whitney.engine.backend import Backend, EngineConfig, InProcessBackend
 from whitney.engine.checkpoint import remove_leftovers
 from whitney.engine.model import shown_name
-from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge
+from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable
 from whitney.service import handlers, schemas, tinker
 from whitney.service.bodies import read_body, replaying
 from whitney.service.deps import ServiceState, Unauthorized
@@ -30,7 +30,8 @@ from whitney.service.store import Store
 from whitney.service.text import TextCheck
 
 log = logging.getLogger("whitney.service")
-STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429}
+STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429,
+          Unavailable: 503}
 # What the error handlers below answer, so the OpenAPI document shows the real error body (not FastAPI's default).
 ERRORS = {status: {"model": schemas.Error, "description": text} for status, text in (
     (400, "invalid input (code invalid_input)"), (401, "missing or unknown API key (code unauthorized)"),
@@ -38,7 +39,8 @@ ERRORS = {status: {"model": schemas.Error, "description": text} for status, text
     (409, "valid alone, but clashes with the state (code conflict)"),
     (413, "over a stated limit: body bytes, datums or tokens per request, metadata bytes, stop "
           "sequences (code too_large)"), (422, "not the request schema (code invalid_request)"),
-    (429, "over a per-key quota; Retry-After says when to try again (code quota_exceeded)"))}
+    (429, "over a per-key quota; Retry-After says when to try again (code quota_exceeded)"),
+    (503, "a worker the request needs is restarting after a failure; retry shortly (code unavailable)"))}
 
 
 @dataclass
@@ -54,6 +56,13 @@ class ServiceConfig:
     # is set or the database holds a key; key_limits are the server's defaults, a key's own limits override them.
     require_keys: bool = False
     key_limits: KeyLimits = field(default_factory=KeyLimits)
+    # Where the engine runs: "inprocess" (this process) or "ray" (workers on a Ray cluster; see RayBackend).
+    backend: str = "inprocess"
+    ray_address: str | None = None  # None: start a local Ray instance
+    samplers: int = 0  # sampler replicas per base model (ray); 0: the trainer samples too
+    # Ray resources of each model's workers, by the name it is given or served under, e.g.
+    # {"tiny": {"cpus": 2, "gpus": 1, "node_a": 1}}; default one CPU each.
+    worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thread: bool = True) -> FastAPI:
@@ -74,11 +83,7 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
     if len(set(shown)) < len(shown):
         raise ValueError(f"two models would be served under one name: {shown}")
     if backend is None:
-        # Sampling prefills at most one engine call's budget of prompt tokens per step, as training does.
-        backend = InProcessBackend.start(replace(config.engine, max_prefill_tokens=config.limits.max_batch_tokens),
-                                         [])
-        for name, public in zip(config.models, shown):
-            backend.load_model(name, alias=public)
+        backend = start_backend(config, shown)
     scheduler = Scheduler(backend, store, data_dir, config.limits.max_batch_tokens, config.session_timeout)
 
     @asynccontextmanager
@@ -87,6 +92,7 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
             scheduler.start()
         yield
         scheduler.stop()
+        backend.close()
 
     app = FastAPI(title="Whitney", version="0.1.0", lifespan=lifespan,
                   description="Fine-tuning through training primitives: many LoRA runs on one base model.")
@@ -108,6 +114,32 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
 
     handlers.install(app, STATUS)
     return app
+
+
+def start_backend(config: ServiceConfig, shown: list[str]) -> Backend:
+    """The configured backend with the models loaded (`shown`: the name each is served under)."""
+    # Sampling prefills at most one engine call's budget of prompt tokens per step, as training does.
+    engine = replace(config.engine, max_prefill_tokens=config.limits.max_batch_tokens)
+    if config.backend == "inprocess":
+        backend = InProcessBackend.start(engine, [])
+        for name, public in zip(config.models, shown):
+            backend.load_model(name, alias=public)
+        return backend
+    if config.backend != "ray":
+        raise InvalidInput(f"backend must be inprocess or ray, got {config.backend!r}", field="backend")
+    try:
+        from whitney.engine.ray_backend import Placement, RayBackend
+    except ImportError as e:
+        raise InvalidInput(f"the ray backend needs Ray: pip install 'whitney[ray]' ({e})", field="backend") from None
+    unknown = set(config.worker_resources) - set(config.models) - set(shown)
+    if unknown:
+        raise InvalidInput(f"worker resources name models not served: {sorted(unknown)}", field="worker_resources")
+    placements = []
+    for name, public in zip(config.models, shown):
+        given = dict(config.worker_resources.get(name) or config.worker_resources.get(public) or {})
+        placements.append(Placement(name, public, num_cpus=given.pop("cpus", 1.0), num_gpus=given.pop("gpus", 0.0),
+                                    resources=given, samplers=config.samplers))
+    return RayBackend(engine, placements, config.ray_address)
 
 
 class BodyLimit:

@@ -7,7 +7,10 @@ most `max_batch_tokens` tokens, shared max-min fairly between the runs (`limits.
 an operation larger than its share runs as several micro-batches, one per engine call, its gradient
 staged in the backend until the last one succeeded, with other runs' work in between. Every other
 operation runs alone. Between training batches the worker advances sampling by one decode step and
-scoring (compute_logprobs) by one chunk, so none of them stalls the others for long. Each terminal
+scoring (compute_logprobs) by one chunk, so none of them stalls the others for long. A backend whose
+sampling runs apart from training (`separate_sampling`: the Ray backend's sampler workers) gets a second
+thread for sampling and scoring instead, so neither waits for the other. Runs the backend lost with a
+dying worker are interrupted and their waiting operations fail with `worker_lost`. Each terminal
 state is written to the store, then waiters are woken.
 """
 
@@ -18,11 +21,11 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from whitney.engine import ForwardRequest, ForwardResult, LoraConfig, merge_results
+from whitney.engine import ForwardRequest, LoraConfig, merge_results
 from whitney.engine.backend import Backend, Failure, Weights
 from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput
@@ -31,44 +34,10 @@ from whitney.service.jobs import (ForwardJob, Job, LoadJob, OptimJob, Refused, S
 from whitney.service.lifecycle import (OPERATION_TERMINAL, RUN_OPEN, OperationKind, OperationStatus, RunStatus,
                                        SessionStatus)
 from whitney.service.limits import plan_micro_batches
+from whitney.service.queues import Lane, Progress, RunQueue, Scoring
 from whitney.service.store import Store, new_id
 
 log = logging.getLogger("whitney.scheduler")
-
-
-@dataclass
-class _Progress:
-    """A forward/forward_backward operation part-way through its micro-batches."""
-
-    done: int = 0  # datums already run
-    parts: list[ForwardResult] = field(default_factory=list)
-    staged: bool = False  # runs in more than one micro-batch: its gradient is staged under its id
-
-
-@dataclass
-class _RunQueue:
-    next_seq: int = 0
-    pending: dict[int, tuple[dict, Job]] = field(default_factory=dict)  # seq_id -> (operation, job)
-    finishing: bool = False
-    progress: _Progress | None = None  # of the operation at next_seq, once its first micro-batch ran
-    served: int = 0  # the engine call that last ran its work (fairness: the least recently served first)
-    starved: bool = False  # got no datum in the last engine call it was ready for
-    # When it last had a forward/forward_backward ready (engine call count, monotonic time) and its tokens:
-    # for a while after, its share of each call is reserved (`plan_micro_batches`).
-    active_call: int = -(10**9)
-    active_at: float = -1e18
-    active_tokens: int = 0
-
-
-@dataclass
-class _Scoring:
-    """A compute_logprobs request, scored a chunk of sequences per worker iteration."""
-
-    operation: dict
-    sequences: list[list[int]]
-    weights: Weights
-    done: int = 0
-    logprobs: list = field(default_factory=list)
 
 
 class Scheduler:
@@ -82,52 +51,61 @@ class Scheduler:
         # its share of each call reserved while its next operation is on its way.
         self.recent_seconds = recent_seconds
         self.session_timeout = session_timeout
-        self._runs: dict[str, _RunQueue] = {}
+        self._runs: dict[str, RunQueue] = {}
         self._samples: dict[str, dict] = {}  # operation id (the backend's request id) -> operation
-        self._scoring: list[_Scoring] = []
+        self._scoring: list[Scoring] = []
         self._calls_made = 0  # engine training calls so far (the fairness clock)
-        self._calls: list[tuple[Callable, concurrent.futures.Future]] = []
         self._lock = threading.RLock()  # _finalize notifies waiters while holding it
-        self._wake = threading.Event()
+        self._training = Lane("whitney-worker")
+        # Sampling and scoring: on the training thread, or on their own when the backend runs them apart.
+        self._sampling = Lane("whitney-sampler") if backend.separate_sampling else self._training
         self._stop = False
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
-        self._thread = threading.Thread(target=self._loop, name="whitney-worker", daemon=True)
+        self._threads = [threading.Thread(target=self._loop, name=self._training.name, daemon=True)]
+        if self._sampling is not self._training:
+            self._threads.append(threading.Thread(target=self._sampling_loop, name=self._sampling.name, daemon=True))
         self._last_expiry_check = 0.0
 
     # ---- from any thread ----------------------------------------------------------------
 
     def start(self) -> None:
         """Run the worker loop on its own thread (tests, the demo's in-process server)."""
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def run(self) -> None:
         """Run the worker loop on the calling thread until stop(). `whitney serve` runs it on the main
         thread: torch's OpenMP kernels launched from any other thread pay 50-120 us more per call here
         (libgomp keeps no spinning team for them), which halved decode throughput."""
+        for thread in self._threads[1:]:
+            thread.start()
         self._loop()
 
     def stop(self) -> None:
         self._stop = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
+        for lane in {id(self._training): self._training, id(self._sampling): self._sampling}.values():
+            lane.wake.set()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=30)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run fn() on the worker thread (the backend's only user); the future carries its result."""
+    def call(self, fn: Callable[[], Any], lane: Lane | None = None) -> concurrent.futures.Future:
+        """Run fn() on a worker thread (the training one by default); the future carries its result."""
+        lane = lane or self._training
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._calls.append((fn, future))
-        self._wake.set()
+            lane.calls.append((fn, future))
+        lane.wake.set()
         return future
 
     def submit(self, operation: dict, job: Job) -> None:
         """Queue a training operation already recorded in the store."""
         with self._lock:
-            queue = self._runs.setdefault(operation["run_id"], _RunQueue())
+            queue = self._runs.setdefault(operation["run_id"], RunQueue())
             if operation["seq_id"] < queue.next_seq or operation["seq_id"] in queue.pending:
                 return  # a retry of an operation already known
             queue.pending[operation["seq_id"]] = (operation, job)
-        self._wake.set()
+        self._training.wake.set()
 
     def submit_sample(self, operation: dict, prompt: list[int], params: SamplingParams, weights: Weights) -> None:
         """Queue a sampling operation; the backend knows it by the operation's id."""
@@ -139,13 +117,13 @@ class Scheduler:
                 return
             self.store.set_operation(operation["id"], OperationStatus.RUNNING)
             self._samples[operation["id"]] = operation
-        self.call(start)
+        self.call(start, self._sampling)
 
     def submit_logprobs(self, operation: dict, sequences: list[list[int]], weights: Weights) -> None:
         """Score sequences on the named weights (not in any run's seq_id order), a chunk per iteration."""
         with self._lock:
-            self._scoring.append(_Scoring(operation, sequences, weights))
-        self._wake.set()
+            self._scoring.append(Scoring(operation, sequences, weights))
+        self._sampling.wake.set()
 
     def open_run(self, run: dict, resume_path: str | None) -> concurrent.futures.Future:
         """Create the run's adapter in the backend (and load its bound checkpoint)."""
@@ -153,14 +131,14 @@ class Scheduler:
             self.backend.create_run(run["id"], run["base_model"], LoraConfig.from_dict(run["lora"]), resume_path,
                                     run["resume_with_optimizer"])
             with self._lock:
-                self._runs.setdefault(run["id"], _RunQueue())
+                self._runs.setdefault(run["id"], RunQueue())
         return self.call(create)
 
     def finish_run(self, run_id: str) -> concurrent.futures.Future:
         """Run what is queued, then mark the run finished (at once when nothing is queued)."""
         def finish() -> None:
             with self._lock:
-                queue = self._runs.setdefault(run_id, _RunQueue())
+                queue = self._runs.setdefault(run_id, RunQueue())
                 queue.finishing = True
                 if queue.next_seq not in queue.pending:
                     self._finalize(run_id, queue)
@@ -222,23 +200,34 @@ class Scheduler:
         self._notify(operation["id"])
 
     def _loop(self) -> None:
+        """The training thread: calls, lost runs, one training engine call, (sampling and scoring when they
+        share this thread), session expiry."""
+        steps = [self._interrupt_lost_runs, self._run_training]
+        if self._sampling is self._training:
+            steps += [self._run_sampling, self._run_scoring]
+        self._serve(self._training, [*steps, self._expire_sessions])
+
+    def _sampling_loop(self) -> None:
+        """The sampling thread of a backend with `separate_sampling`: its calls, decode steps and scoring."""
+        self._serve(self._sampling, [self._run_sampling, self._run_scoring])
+
+    def _serve(self, lane: Lane, steps: list[Callable[[], bool | None]]) -> None:
+        """Run the lane's calls and then each step, again and again; sleep until woken when none did anything."""
         while not self._stop:
-            self._wake.clear()
+            lane.wake.clear()
             try:
-                did = self._run_calls()
-                did |= self._run_training()
-                did |= self._run_sampling()
-                did |= self._run_scoring()
-                self._expire_sessions()
+                did = self._run_calls(lane)
+                for step in steps:
+                    did |= bool(step())
             except Exception:  # a bug: log it and keep serving the other runs
-                log.exception("scheduler iteration failed")
+                log.exception("%s iteration failed", lane.name)
                 did = False
             if not did:
-                self._wake.wait(timeout=1.0)
+                lane.wake.wait(timeout=1.0)
 
-    def _run_calls(self) -> bool:
+    def _run_calls(self, lane: Lane) -> bool:
         with self._lock:
-            calls, self._calls = self._calls, []
+            calls, lane.calls = lane.calls, []
         for fn, future in calls:
             try:
                 future.set_result(fn())
@@ -246,7 +235,27 @@ class Scheduler:
                 future.set_exception(e)
         return bool(calls)
 
-    def _ready(self) -> list[tuple[_RunQueue, dict, dict]]:
+    def _interrupt_lost_runs(self) -> bool:
+        """Runs whose worker died (their adapter and optimizer state with it): each is interrupted, and its
+        operation part-way through micro-batches and its queued ones fail with worker_lost."""
+        lost = self.backend.take_lost_runs()
+        for run_id in lost:
+            message = (f"run {run_id} was lost with its worker (the process died); it is interrupted: resume from "
+                       "its newest saved state with a new run")
+            error = {"code": "worker_lost", "message": message, "category": "server"}
+            with self._lock:
+                queue = self._runs.pop(run_id, None)
+            if queue is not None and queue.progress is not None and queue.next_seq in queue.pending:
+                op = queue.pending[queue.next_seq][0]
+                self.store.set_operation(op["id"], OperationStatus.FAILED, error=error)
+                self._notify(op["id"])
+            for op_id in self.store.end_queued(run_id, OperationStatus.FAILED, error):
+                self._notify(op_id)
+            self.store.set_run_status(run_id, RunStatus.INTERRUPTED, error=message)
+            log.error(message)
+        return bool(lost)
+
+    def _ready(self) -> list[tuple[RunQueue, dict, dict]]:
         """For each run, its next operation if it has arrived; finish runs that are drained."""
         ready = []
         with self._lock:
@@ -257,7 +266,7 @@ class Scheduler:
                     self._finalize(run_id, queue)
         return ready
 
-    def _finalize(self, run_id: str, queue: _RunQueue) -> None:
+    def _finalize(self, run_id: str, queue: RunQueue) -> None:
         """A finishing run is drained: cancel what waits behind a missing seq_id, free its adapter."""
         del self._runs[run_id]
         for seq, (op, _) in queue.pending.items():
@@ -296,7 +305,7 @@ class Scheduler:
                 self._run_single(op, job)
         return True
 
-    def _run_batch(self, ready: list[tuple[_RunQueue, dict, ForwardJob]]) -> None:
+    def _run_batch(self, ready: list[tuple[RunQueue, dict, ForwardJob]]) -> None:
         """One engine call: the least recently served run's kind (forward or forward_backward), and the
         ready operations of that kind, each whole or a micro-batch of it (`plan_micro_batches`)."""
         ready.sort(key=lambda item: item[0].served)
@@ -320,7 +329,7 @@ class Scheduler:
                 continue
             queue.served = self._calls_made
             if queue.progress is None:
-                queue.progress = _Progress(staged=count < len(job.data))
+                queue.progress = Progress(staged=count < len(job.data))
                 self.store.set_operation(op["id"], OperationStatus.RUNNING)
             start = queue.progress.done
             planned.append((queue, op, job, start, start + count))
@@ -392,9 +401,8 @@ class Scheduler:
             package = self.store.register_package(run_id, run["owner"], "lora", job.name, path,
                                                   run["base_model"], False, package_id)
         elif kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER:
-            version = backend.save_weights_for_sampler(run_id)
-            # Also on disk, so the version outlives the run and a restart.
-            backend.save_state(run_id, path, include_optimizer=False)
+            # Also on disk, so the version outlives the run and a restart (and reaches every sampler worker).
+            version = backend.save_weights_for_sampler(run_id, path)
             package = self.store.register_package(run_id, run["owner"], "sampler", job.name or str(version),
                                                   path, run["base_model"], False, package_id)
             return {"version": version, "package": public_package(package)}

@@ -316,12 +316,15 @@ class Store:
 
     def cancel_queued(self, run_id: str, reason: str) -> list[str]:
         """Cancel every queued operation of a run; return their ids."""
+        return self.end_queued(run_id, OperationStatus.CANCELLED, {"code": "cancelled", "message": reason})
+
+    def end_queued(self, run_id: str, status: OperationStatus, error: dict) -> list[str]:
+        """End every queued operation of a run (cancelled, or failed) with `error`; return their ids."""
         with self.tx() as db:
             rows = list(db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
                                                               OperationRow.status == OperationStatus.QUEUED)))
             for row in rows:
-                row.status, row.finished_at = OperationStatus.CANCELLED, time.time()
-                row.error = {"code": "cancelled", "message": reason}
+                row.status, row.finished_at, row.error = status, time.time(), error
             return [r.id for r in rows]
 
     def recover_after_restart(self) -> None:

@@ -1,0 +1,150 @@
+"""The Ray backend against the in-process one, without HTTP: the same calls give the same numbers (1e-6).
+
+Workers are real Ray actors on a local two-node cluster; the in-process backend is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from whitney.engine import AdamParams, Datum, EngineConfig, ForwardRequest, InProcessBackend, LoraConfig, Weights
+from whitney.engine.backend import Failure
+from whitney.engine.ray_backend import Placement, RayBackend
+from whitney.engine.sampler import SamplingParams
+from whitney.errors import InvalidInput, NotFound
+
+CONFIG = EngineConfig(device="cpu", compute_dtype="float32")
+LORA = LoraConfig(rank=4, alpha=8.0, seed=5)
+
+
+def data(seed: int) -> list[Datum]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in (7, 12):
+        tokens = torch.randint(3, 5000, (n + 1,), generator=g).tolist()
+        out.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * n}))
+    return out
+
+
+def rl_data(seed: int) -> list[Datum]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 5000, (10,), generator=g).tolist()
+    return [Datum(tokens[:-1], {"target_tokens": tokens[1:], "logprobs": [-2.0] * 9,
+                                "advantages": torch.randn(9, generator=g).tolist()})]
+
+
+@pytest.fixture(scope="module")
+def backends(ray_cluster, tiny_llama):
+    ray_backend = RayBackend(CONFIG, [Placement(tiny_llama, "tiny", resources={"node_b": 1}, samplers=1)])
+    local = InProcessBackend.start(CONFIG, [])
+    local.load_model(tiny_llama, alias="tiny")
+    yield ray_backend, local
+    ray_backend.close()
+
+
+def both(backends, method: str, *args):
+    return [getattr(b, method)(*args) for b in backends]
+
+
+def assert_results_equal(a, b) -> None:
+    assert not isinstance(a, Failure) and not isinstance(b, Failure), (a, b)
+    assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=1e-6)
+    assert a.metrics.keys() == b.metrics.keys()
+    for key in a.metrics:
+        assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-6, abs=1e-6), key
+    for oa, ob in zip(a.outputs, b.outputs, strict=True):
+        torch.testing.assert_close(torch.tensor(oa.logprobs), torch.tensor(ob.logprobs), atol=1e-6, rtol=0)
+
+
+def test_training_equals_in_process(backends, tmp_path):
+    """forward_backward (cross_entropy and ppo, two runs in one batch), optim_step, save_state: equal."""
+    both(backends, "create_run", "a", "tiny", LORA)
+    both(backends, "create_run", "b", "tiny", LoraConfig(rank=8, seed=9, train_mlp=False))
+    for step in range(3):
+        requests = [ForwardRequest("a", data(step)), ForwardRequest("b", rl_data(step), "ppo")]
+        remote, local = both(backends, "run_batch", requests, True)
+        for r, l in zip(remote, local, strict=True):
+            assert_results_equal(r, l)
+        for run_id in ("a", "b"):
+            m_remote, m_local = both(backends, "optim_step", run_id, AdamParams(learning_rate=1e-2))
+            assert m_remote == pytest.approx(m_local, rel=1e-6)  # grad norms: the gradients agree
+    for i, backend in enumerate(backends):
+        backend.save_state("a", str(tmp_path / f"a{i}"), True)
+    for name in ("adapter.safetensors", "optimizer.safetensors"):
+        remote, local = (load_file(tmp_path / f"a{i}" / name) for i in range(2))
+        assert remote.keys() == local.keys()
+        for key in remote:
+            torch.testing.assert_close(remote[key], local[key], atol=1e-6, rtol=0, msg=key)
+    (forward_remote,), (forward_local,) = both(backends, "run_batch", [ForwardRequest("a", data(9))], False)
+    assert_results_equal(forward_remote, forward_local)
+
+
+def test_sampler_replica_serves_frozen_versions(backends, tmp_path):
+    """Version N is written by the trainer and loaded by the replica; sampling and scoring equal in-process."""
+    both(backends, "create_run", "s", "tiny", LORA)
+    both(backends, "run_batch", [ForwardRequest("s", data(1))], True)
+    both(backends, "optim_step", "s", AdamParams(learning_rate=5e-2))
+    versions = [b.save_weights_for_sampler("s", str(tmp_path / f"v1-{i}")) for i, b in enumerate(backends)]
+    assert versions == [1, 1]
+    both(backends, "run_batch", [ForwardRequest("s", data(2))], True)  # the trainer moves on
+    both(backends, "optim_step", "s", AdamParams(learning_rate=5e-2))
+    weights = Weights(run_id="s", version=1)
+    sequence = data(3)[0].token_ids
+    remote, local = both(backends, "compute_logprobs", [sequence], weights)
+    torch.testing.assert_close(torch.tensor(remote[0][1:]), torch.tensor(local[0][1:]), atol=1e-6, rtol=0)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=4, num_samples=2)
+    outcomes = []
+    for backend in backends:
+        backend.submit_sample("q", sequence[:5], params, weights)
+        ended = []
+        while not ended:
+            ended = backend.sample_step()
+        outcomes.append(ended)
+    (rid_r, remote), (rid_l, local) = outcomes[0][0], outcomes[1][0]
+    assert rid_r == rid_l == "q"
+    for sr, sl in zip(remote.sequences, local.sequences, strict=True):
+        assert sr.tokens == sl.tokens
+        torch.testing.assert_close(torch.tensor(sr.logprobs), torch.tensor(sl.logprobs), atol=1e-6, rtol=0)
+
+
+def test_validation_happens_here_with_the_engines_messages(backends):
+    ray_backend, local = backends
+    both(backends, "create_run", "v", "tiny", LORA)
+    bad = ForwardRequest("v", [Datum([1, 2, 3], {"target_tokens": [1, 2, 10**7]})])
+    errors = []
+    for backend in backends:
+        with pytest.raises(InvalidInput) as e:
+            backend.validate(bad, True)
+        errors.append(e.value.to_dict())
+    assert errors[0] == errors[1]
+    with pytest.raises(NotFound):
+        ray_backend.validate(ForwardRequest("nope", data(0)), True)
+    assert ray_backend.validate(ForwardRequest("v", data(0)), True) == local.validate(ForwardRequest("v", data(0)), True)
+    assert ray_backend.adapter_bytes("tiny", LORA) == local.adapter_bytes("tiny", LORA)
+    with pytest.raises(InvalidInput, match="unknown module .nope."):
+        ray_backend.adapter_bytes("tiny", LoraConfig(target_modules=["nope"]))
+    (failure,) = ray_backend.run_batch([bad], True)  # refused in the worker: the same error, as data
+    assert isinstance(failure, Failure) and failure.code == "invalid_input" and failure.field == "target_tokens"
+
+
+def test_two_models_on_two_nodes(ray_cluster, tiny_llama, tiny_qwen3):
+    backend = RayBackend(CONFIG, [Placement(tiny_llama, "llama", resources={"node_a": 1}),
+                                  Placement(tiny_qwen3, "qwen", resources={"node_b": 1})])
+    try:
+        nodes = backend.nodes()
+        assert nodes["llama"][0] != nodes["qwen"][0], "each model's trainer on its own node"
+        assert set(backend.models) == {"llama", "qwen"} and backend.models["qwen"].model_type == "qwen3"
+        backend.create_run("l", "llama", LORA)
+        backend.create_run("q", "qwen", LORA)
+        out = backend.run_batch([ForwardRequest("l", data(0)), ForwardRequest("q", data(0))], True)
+        assert all(not isinstance(r, Failure) for r in out) and out[0].loss != out[1].loss
+    finally:
+        backend.close()
+
+
+def test_a_model_that_cannot_load_is_refused_with_its_reason(ray_cluster, tmp_path):
+    with pytest.raises(Exception) as e:
+        RayBackend(CONFIG, [Placement(str(tmp_path / "missing"), "missing")])
+    assert "missing" in str(e.value)

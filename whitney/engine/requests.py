@@ -1,0 +1,100 @@
+"""The plain data of a forward or forward_backward call, and its checks against a model's shape.
+
+`ForwardRequest` goes in and `ForwardResult` comes out of `Engine.run_batch` and of every Backend;
+`check_request` validates a request from the model's vocabulary and context alone (no weights), so a
+backend whose engine lives in another process validates in the caller's.
+
+Shape legend: N tokens of a datum, K soft targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from whitney.engine import opsd
+from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
+from whitney.engine.losses import loss_spec
+from whitney.errors import InvalidInput
+
+
+@dataclass
+class ForwardRequest:
+    """One forward or forward_backward call: a run's datums and its loss. run_id None = the base model."""
+
+    run_id: str | None
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_config: dict = field(default_factory=dict)
+    base_model: str | None = None  # only when run_id is None
+    # forward_backward of one micro-batch of a larger operation: its gradient is added to the run's
+    # staging area of this name, not to the accumulator (see Engine.commit_gradients).
+    stage: str | None = None
+
+
+@dataclass
+class DatumOutput:
+    logprobs: list[float]  # [N] learner log-prob per position (soft targets: weight-normalised mean)
+    elementwise_loss: list[float]  # [N] per-position contribution to the loss
+
+
+@dataclass
+class ForwardResult:
+    loss: float  # summed over tokens (opsd: summed over rows)
+    metrics: dict[str, float]
+    outputs: list[DatumOutput]
+    mean_counts: dict[str, float] = field(default_factory=dict)  # see LossOutput.mean_counts
+
+
+def merge_results(parts: list[ForwardResult]) -> ForwardResult:
+    """The result of one request from the results of its micro-batches (consecutive datums, in order).
+
+    Losses and metrics whose name ends in "sum" add up; every other metric is a mean, weighted by what
+    it averages over (its `mean_counts`, else the micro-batch's tokens), so the merge equals one pass.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    metrics: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for part in parts:
+        tokens = part.metrics.get("tokens:sum", float(sum(len(o.logprobs) for o in part.outputs)))
+        for name, value in part.metrics.items():
+            if name.endswith("sum"):
+                metrics[name] = metrics.get(name, 0.0) + value
+                continue
+            weight = part.mean_counts.get(name, tokens)
+            metrics[name] = metrics.get(name, 0.0) + value * weight
+            counts[name] = counts.get(name, 0.0) + weight
+    for name, weight in counts.items():
+        metrics[name] = metrics[name] / weight if weight else 0.0
+    return ForwardResult(sum(p.loss for p in parts), metrics, [o for p in parts for o in p.outputs], counts)
+
+
+@dataclass
+class CheckedRequest:
+    """A request's datums as tensors (on the CPU), its loss config with defaults, opsd's row pairs."""
+
+    datums: list[PreparedDatum]
+    config: dict
+    opsd_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def check_request(request: ForwardRequest, backward: bool, vocab_size: int, max_context: int) -> CheckedRequest:
+    """Validate a request's run, loss, config and datums against a model's vocabulary and context."""
+    if backward and request.run_id is None:
+        raise InvalidInput("forward_backward needs a run", field="run_id")
+    spec = loss_spec(request.loss_fn)
+    config = spec.config(request.loss_config or {})
+    if not isinstance(request.data, list) or not request.data:
+        raise InvalidInput("data must be a non-empty list of datums", field="data")
+    datums = [prepare_datum(d, i, spec.inputs, set(spec.required), vocab_size, max_context)
+              for i, d in enumerate(request.data)]
+    shapes = [tuple(d.inputs["target_tokens"].shape[1:]) for d in datums]
+    for i, s in enumerate(shapes):
+        if s != shapes[0]:
+            raise InvalidInput(f"datum {i}: target_tokens must be all [N] or all [N, K] with one K in a "
+                               f"request; datum 0 has trailing shape {list(shapes[0])}, datum {i} has "
+                               f"{list(s)}", field="target_tokens", datum_index=i)
+    pairs = [opsd.validate_row(d, i, config) for i, d in enumerate(datums)] if request.loss_fn == "opsd" else None
+    return CheckedRequest(datums, config, pairs)
