@@ -28,6 +28,7 @@ from whitney.errors import Conflict, InvalidInput, NotFound
 
 FORMAT_VERSION = 1
 MANIFEST = "whitney_state.json"
+SHARDED_FORMAT = "sharded-1"  # a checkpoint written by N ranks (engine/sharded.py), same manifest name
 
 
 def _sha256(path: Path) -> str:
@@ -109,6 +110,9 @@ def read_manifest(path: str | Path) -> dict:
     if not file.exists():
         raise NotFound(f"no checkpoint at {path}", field="path")
     manifest = json.loads(file.read_text())
+    if manifest.get("format_version") == SHARDED_FORMAT:
+        raise InvalidInput(f"{path} is a sharded checkpoint (written by {manifest.get('world_size')} ranks): load it "
+                           "with whitney.engine.sharded.load_sharded_state", field="path")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise InvalidInput(f"checkpoint format {manifest.get('format_version')} is not supported "
                            f"(this server reads {FORMAT_VERSION})", field="path")

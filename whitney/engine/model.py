@@ -120,7 +120,7 @@ class BaseModel:
     path: Path
     config: ModelConfig
     embed: torch.Tensor  # [V, D]
-    layers: list[LayerWeights]
+    layers: list[LayerWeights]  # a base sharded over ranks holds a module here (engine/sharded.py)
     final_norm: torch.Tensor  # [D]
     lm_head: torch.Tensor  # [V, D]; the same storage as embed when tied
     inv_freq: torch.Tensor  # [head_dim / 2] RoPE inverse frequencies

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from whitney.engine.lora import RowGroups
-from whitney.engine.model import BaseModel, UNEMBED
+from whitney.engine.model import UNEMBED, BaseModel, LayerWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,38 +78,53 @@ def attention_dtype(base: BaseModel) -> torch.dtype:
     return torch.float32 if base.device.type == "cpu" else base.compute_dtype
 
 
+def decoder_layer(base: BaseModel, layer: int, lw: LayerWeights, h: torch.Tensor, groups, cos: torch.Tensor,
+                  sin: torch.Tensor, attend: Attend, packed: dict | None) -> torch.Tensor:
+    """One decoder layer over its weights `lw`: h [B, T, D] -> [B, T, D]."""
+    cfg = base.config
+    B, T = h.shape[:2]
+    paths = base.layer_paths[layer]
+
+    def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+        y = _linear(x, lw.linear[name], lw.bias.get(name), packed and packed[(layer, name)])
+        return groups.apply(paths[name], x, y)
+
+    x = rms_norm(h, lw.input_norm, cfg.rms_eps)
+    q = proj("q_proj", x).view(B, T, cfg.num_heads, cfg.head_dim)
+    k = proj("k_proj", x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = proj("v_proj", x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lw.q_norm, cfg.rms_eps)
+        k = rms_norm(k, lw.k_norm, cfg.rms_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|G, T, E]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn = attend(layer, q, k, v).transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
+    h = h + proj("o_proj", attn)
+    x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
+    return h + proj("down_proj", F.silu(proj("gate_proj", x)) * proj("up_proj", x))
+
+
 def _decoder(base: BaseModel, tokens: torch.Tensor, groups, cos: torch.Tensor, sin: torch.Tensor,
              attend: Attend) -> torch.Tensor:
     """Embed tokens [B, T], run every layer, final norm -> [B, T, D].
 
     `attend(layer, q [B, H, T, E], k [B, G, T, E], v [B, G, T, E])` -> [B, H, T, E] is the one part
-    that differs between a full causal pass and a cached decode step.
+    that differs between a full causal pass and a cached decode step. `base.layers` is a list of
+    `LayerWeights`, or, for a base sharded over ranks (engine/sharded.py), a module called as
+    `layers(step, h)` that runs `step(layer, weights, h)` for each layer with its weights gathered.
     """
-    cfg = base.config
-    B, T = tokens.shape
-    dt = base.compute_dtype
+    h = base.embed[tokens].to(base.compute_dtype)  # [B, T, D]
     packed = prepacked(base)
-    h = base.embed[tokens].to(dt)  # [B, T, D]
-    for layer, (lw, paths) in enumerate(zip(base.layers, base.layer_paths)):
 
-        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
-            y = _linear(x, lw.linear[name], lw.bias.get(name), packed and packed[(layer, name)])
-            return groups.apply(paths[name], x, y)
+    def step(layer: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        return decoder_layer(base, layer, lw, h, groups, cos, sin, attend, packed)
 
-        x = rms_norm(h, lw.input_norm, cfg.rms_eps)
-        q = proj("q_proj", x).view(B, T, cfg.num_heads, cfg.head_dim)
-        k = proj("k_proj", x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = proj("v_proj", x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lw.q_norm, cfg.rms_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|G, T, E]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = attend(layer, q, k, v).transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
-        h = h + proj("o_proj", attn)
-        x = rms_norm(h, lw.post_attn_norm, cfg.rms_eps)
-        h = h + proj("down_proj", F.silu(proj("gate_proj", x)) * proj("up_proj", x))
-    return rms_norm(h, base.final_norm, cfg.rms_eps)
+    if isinstance(base.layers, list):
+        for layer, lw in enumerate(base.layers):
+            h = step(layer, lw, h)
+    else:
+        h = base.layers(step, h)
+    return rms_norm(h, base.final_norm, base.config.rms_eps)
 
 
 def forward_hidden(base: BaseModel, tokens: torch.Tensor, groups,
