@@ -247,7 +247,7 @@ def test_sharded_checkpoint_loads_back_on_two_ranks(sharded):
 def test_sharded_checkpoint_loads_in_one_process(sharded, tiny_qwen3, checkpoint_dir):
     engine = Engine(device="cpu")
     engine.create_run("ce", tiny_qwen3, LORA["ce"])
-    load_sharded_state(engine, "ce", checkpoint_dir, with_optimizer=True)
+    engine.load_state("ce", str(checkpoint_dir), with_optimizer=True)  # the ordinary path reads it too
     for part in ("weights", "exp_avg", "exp_avg_sq"):
         _equal(_state(engine, "ce")[part], sharded[0]["final"]["ce"][part], part)
     assert engine.get_run("ce").optimizer.step == STEPS
@@ -271,8 +271,8 @@ def test_corrupt_or_mismatched_sharded_checkpoint_is_refused(sharded, tiny_qwen3
     engine = Engine(device="cpu")
     run = engine.create_run("ce", tiny_qwen3, LORA["ce"])
     before = _state(engine, "ce")["weights"]
-    with pytest.raises(InvalidInput, match="is a sharded checkpoint"):
-        engine.load_state("ce", checkpoint_dir)
+    with pytest.raises(InvalidInput, match="is a sharded checkpoint"):  # scored straight from the files: load it
+        engine.compute_logprobs([[1, 2, 3]], checkpoint_path=str(checkpoint_dir))
     engine.create_run("other", tiny_qwen3, LORA["is"])
     with pytest.raises(InvalidInput, match="rank/alpha"):
         load_sharded_state(engine, "other", checkpoint_dir)

@@ -241,7 +241,7 @@ class InProcessBackend:
 
     def save_weights_for_sampler(self, run_id: str, path: str) -> int:
         version = self.engine.save_weights_for_sampler(run_id)
-        self.engine.save_state(run_id, path, include_optimizer=False)
+        self.engine.save_version(run_id, version, path)
         return version
 
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]:

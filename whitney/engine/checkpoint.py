@@ -112,11 +112,17 @@ def read_manifest(path: str | Path) -> dict:
     manifest = json.loads(file.read_text())
     if manifest.get("format_version") == SHARDED_FORMAT:
         raise InvalidInput(f"{path} is a sharded checkpoint (written by {manifest.get('world_size')} ranks): load it "
-                           "with whitney.engine.sharded.load_sharded_state", field="path")
+                           "into a run (load_state, or a new run resumed from it)", field="path")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise InvalidInput(f"checkpoint format {manifest.get('format_version')} is not supported "
                            f"(this server reads {FORMAT_VERSION})", field="path")
     return manifest
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether `path` holds a checkpoint written by several ranks (engine/sharded.py reads it)."""
+    file = Path(path) / MANIFEST
+    return file.is_file() and json.loads(file.read_text()).get("format_version") == SHARDED_FORMAT
 
 
 def _verified(path: Path, name: str, manifest: dict) -> dict[str, torch.Tensor]:

@@ -7,8 +7,10 @@
                                             │   compute_logprobs on frozen weights read from files
                                             └── ModelWorker "trainer" of model B (another node) ...
 
-Every worker is an `InProcessBackend` (one `Engine`, one base model) inside a Ray actor, so its numbers
-are the in-process engine's. What crosses the wire is the Backend's plain data (pickled dataclasses).
+Every worker is an `InProcessBackend` (one `Engine`, one base model) inside a Ray actor (`ModelWorker`,
+ray_worker.py), so its numbers are the in-process engine's. What crosses the wire is the Backend's plain
+data (pickled dataclasses). A trainer given several devices (`Placement.shards`) is that many actors, one
+rank each of a `ShardedEngine` (engine/sharded.py): every call goes to every rank, rank 0 answers.
 
 - Requests are validated here, from each model's `ModelInfo` (no round trip); a forward batch is split by
   base model and sent to each model's trainer at once.
@@ -33,12 +35,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from whitney.engine.backend import (Failure, InProcessBackend, ModelInfo, Weights, WorkerLost, adapter_bytes,
-                                    raise_failure)
+from whitney.engine.backend import Failure, ModelInfo, Weights, WorkerLost, adapter_bytes, raise_failure
 from whitney.engine.checkpoint import read_manifest
 from whitney.engine.config import EngineConfig
 from whitney.engine.lora import LoraConfig
 from whitney.engine.optim import AdamParams
+from whitney.engine.ray_worker import ModelWorker, Placement, Raised
 from whitney.engine.requests import ForwardRequest, ForwardResult, check_request
 from whitney.engine.sampler import SampleResult, SamplingParams
 from whitney.errors import InvalidInput, NotFound, Unavailable, WhitneyError
@@ -47,99 +49,29 @@ HEARTBEAT_SECONDS = 2.0  # how often an idle worker is asked whether it is the s
 SAMPLER_STEP_SECONDS = 0.05  # a replica decodes for this long per call (one step: the trainer, which trains too)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one base model's workers go: Ray resources per worker and the number of sampler replicas."""
-
-    model: str  # as given to --model: a name or a local directory every node reaches
-    name: str  # the name it is served under (routes, runs)
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (e.g. a node's label)
-    samplers: int = 0
-
-    @staticmethod
-    def parse_resources(spec: str) -> dict[str, float]:
-        """"cpus:2,gpus:1,node_a:1" -> {"cpus": 2.0, "gpus": 1.0, "node_a": 1.0} (a clear error otherwise)."""
-        out = {}
-        for part in filter(None, spec.split(",")):
-            key, sep, amount = part.partition(":")
-            try:
-                out[key.strip()] = float(amount)
-            except ValueError:
-                sep = ""
-            if not sep or not key.strip() or out[key.strip()] < 0:
-                raise InvalidInput(f"worker resources {spec!r}: each item is NAME:AMOUNT with AMOUNT >= 0 "
-                                   "(cpus, gpus or a custom Ray resource)", field="worker_resources")
-        return out
-
-
-@dataclass
-class _Raised:
-    """A WhitneyError raised in a worker, carried back as data (the caller raises it again)."""
-
-    failure: Failure
-
-
-class ModelWorker:
-    """One base model's engine in a Ray actor (trainer or sampler replica). Ray re-runs __init__ after a
-    crash, so a restarted worker reloads its model by itself."""
-
-    def __init__(self, config: EngineConfig, model: str, name: str):
-        import ray
-        import torch
-
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        # As many compute threads as the CPUs Ray gave this worker (its share of the node).
-        torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
-        self.backend = InProcessBackend.start(config, [])
-        self.error: Failure | None = None
-        try:
-            self.info = self.backend.load_model(model, alias=name)
-        except WhitneyError as e:  # answered by describe(): the operator's mistake, not a crash loop
-            self.error = Failure.of(e)
-
-    def describe(self) -> tuple[ModelInfo | _Raised, int, str]:
-        """The model's info (or why it did not load), this process's id and its Ray node."""
-        import ray
-
-        info = _Raised(self.error) if self.error else self.info
-        return info, os.getpid(), ray.get_runtime_context().get_node_id()
-
-    def call(self, method: str, *args) -> Any:
-        try:
-            return getattr(self.backend, method)(*args)
-        except WhitneyError as e:
-            return _Raised(Failure.of(e))
-
-    def sample_steps(self, seconds: float) -> list[tuple[str, SampleResult | Failure]]:
-        """Decode steps until a request ends or `seconds` pass (0: one step); the requests that ended."""
-        start = time.monotonic()
-        while True:
-            ended = self.backend.sample_step()
-            if ended or not self.backend.sampling or time.monotonic() - start >= seconds:
-                return ended
-
-    def warm(self, checkpoint_path: str) -> None:
-        """Load a frozen version (checksums verified) so the first sample on it does not wait."""
-        self.backend.engine.resolve_weights(checkpoint_path=checkpoint_path)
-
-
 @dataclass
 class _Worker:
-    handle: Any  # the Ray actor
+    """A trainer or sampler replica: one Ray actor, or the ranks of a sharded trainer (rank 0 first)."""
+
+    ranks: list  # the Ray actors
     model: str  # served name
     role: str  # "trainer" or "sampler"
-    pid: int = 0
-    node: str = ""
-    restarting: Any = None  # an ObjectRef of describe() while the actor restarts; None when usable
-    ping: Any = None  # an outstanding heartbeat
+    pids: list[int] = field(default_factory=list)
+    node: str = ""  # rank 0's Ray node
+    restarting: list | None = None  # refs of describe()/join() while (re)starting; None when usable
+    joining: bool = False  # the ranks restarted and must form their process group again
+    ping: list | None = None  # outstanding heartbeats
     pinged_at: float = 0.0
     inflight: set[str] = field(default_factory=set)  # sample request ids
-    stepping: Any = None  # an outstanding sample_steps call
+    stepping: list | None = None  # an outstanding sample_steps call (on every rank)
+
+    @property
+    def pid(self) -> int:
+        return self.pids[0] if self.pids else 0
 
     def __str__(self) -> str:
-        return f"the {self.role} worker of {self.model!r} (pid {self.pid})"
+        ranks = f", {len(self.ranks)} ranks" if len(self.ranks) > 1 else ""
+        return f"the {self.role} worker of {self.model!r} (pid {self.pid}{ranks})"
 
 
 class RayBackend:
@@ -175,13 +107,16 @@ class RayBackend:
                 options = dict(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
                                max_restarts=-1, max_task_retries=0)
                 self._names[p.model] = self._names[p.name] = p.name
-                self._trainers[p.name] = _Worker(actor.options(**options).remote(config, p.model, p.name),
-                                                 p.name, "trainer")
-                self._samplers[p.name] = [_Worker(actor.options(**options).remote(config, p.model, p.name),
+                self._trainers[p.name] = _Worker([actor.options(**options).remote(config, p.model, p.name, rank,
+                                                                                  p.shards)
+                                                  for rank in range(p.shards)], p.name, "trainer")
+                self._samplers[p.name] = [_Worker([actor.options(**options).remote(config, p.model, p.name)],
                                                   p.name, "sampler") for _ in range(p.samplers)]
             for worker in self._workers():
-                info, worker.pid, worker.node = ray.get(worker.handle.describe.remote())
-                if isinstance(info, _Raised):
+                self._start(worker)
+            for worker in self._workers():
+                info, worker.pids, worker.node = self._started(worker)
+                if isinstance(info, Raised):
                     raise_failure(info.failure)
                 self._info[worker.model] = info
         except BaseException:
@@ -193,12 +128,30 @@ class RayBackend:
     def _workers(self) -> list[_Worker]:
         return [*self._trainers.values(), *(w for ws in self._samplers.values() for w in ws)]
 
+    def _start(self, worker: _Worker) -> None:
+        """Begin (re)starting: describe each actor; the ranks of a sharded trainer form their group first."""
+        worker.stepping = worker.ping = None
+        worker.joining = len(worker.ranks) > 1
+        worker.restarting = [r.describe.remote() for r in worker.ranks]
+
+    def _started(self, worker: _Worker) -> tuple[ModelInfo | Raised | None, list[int], str]:
+        """Wait for a start begun by _start (at startup only: never while serving)."""
+        described = self._ray.get(worker.restarting)
+        if worker.joining:
+            address = self._ray.get(worker.ranks[0].address.remote())
+            described = self._ray.get([r.join.remote(address) for r in worker.ranks])
+        worker.restarting, worker.joining = None, False
+        return described[0][0], [d[1] for d in described], described[0][2]
+
     def _lose(self, worker: _Worker, error: BaseException) -> WorkerLost:
-        """`worker` died: what it held is gone. Its runs are reported lost; it restarts (Ray)."""
+        """`worker` died (or one rank of it): what it held is gone. Its runs are reported lost; it restarts
+        (Ray restarts a dead actor; the surviving ranks of a sharded trainer are restarted with it)."""
         with self._lock:
             if worker.restarting is None:
-                worker.restarting = worker.handle.describe.remote()
-            worker.stepping = worker.ping = None
+                if len(worker.ranks) > 1:
+                    for rank in worker.ranks:
+                        self._ray.kill(rank, no_restart=False)
+                self._start(worker)
             if worker.role == "trainer":
                 runs = [r for r, m in self._run_model.items() if m == worker.model]
                 for run_id in runs:
@@ -211,31 +164,47 @@ class RayBackend:
         with self._lock:
             if worker.restarting is None:
                 return True
-            ready, _ = self._ray.wait([worker.restarting], timeout=0)
-            if not ready:
+            ready, _ = self._ray.wait(worker.restarting, num_returns=len(worker.restarting), timeout=0)
+            if len(ready) < len(worker.restarting):
                 return False
             try:
-                _, worker.pid, worker.node = self._ray.get(worker.restarting)
-            except self._ray.exceptions.RayActorError:
-                worker.restarting = worker.handle.describe.remote()
+                described = self._ray.get(worker.restarting)
+            except self._ray.exceptions.RayError:
+                self._start(worker)
                 return False
+            if worker.joining:  # every rank is back: they form their group and load their shards
+                worker.joining = False
+                address = self._ray.get(worker.ranks[0].address.remote())
+                worker.restarting = [r.join.remote(address) for r in worker.ranks]
+                return False
+            worker.pids, worker.node = [d[1] for d in described], described[0][2]
             worker.restarting = None
             return True
 
-    def _get(self, worker: _Worker, ref) -> Any:
-        """The result of a call on `worker`: a WhitneyError raised there is raised here, a death is WorkerLost."""
+    def _get(self, worker: _Worker, refs: list) -> Any:
+        """Rank 0's result of a call made on every rank: a WhitneyError raised there is raised here, a
+        death is WorkerLost. Any rank failing loses a sharded trainer (its process group is broken)."""
+        errors = self._ray.exceptions.RayError if len(refs) > 1 else self._ray.exceptions.RayActorError
         try:
-            result = self._ray.get(ref)
-        except self._ray.exceptions.RayActorError as e:
+            pending, results = list(refs), {}
+            while pending:  # one by one: a rank that died must not leave us waiting on its peers
+                ready, pending = self._ray.wait(pending, num_returns=1)
+                results[ready[0]] = self._ray.get(ready[0])
+            result = results[refs[0]]
+        except errors as e:
             raise self._lose(worker, e) from None
-        if isinstance(result, _Raised):
+        if isinstance(result, Raised):
             raise_failure(result.failure)
         return result
+
+    def _submit(self, worker: _Worker, method: str, *args) -> list:
+        """The same call on every rank of the worker (SPMD); their refs, rank 0's first."""
+        return [getattr(rank, method).remote(*args) for rank in worker.ranks]
 
     def _call(self, worker: _Worker, method: str, *args) -> Any:
         if not self._usable(worker):
             raise Unavailable(f"{worker} is restarting after a failure; try again shortly", field="base_model")
-        return self._get(worker, worker.handle.call.remote(method, *args))
+        return self._get(worker, self._submit(worker, "call", method, *args))
 
     def _trainer_of_run(self, run_id: str) -> _Worker:
         with self._lock:
@@ -257,8 +226,8 @@ class RayBackend:
         return {m: [w.node for w in (self._trainers[m], *self._samplers[m])] for m in self._trainers}
 
     def pids(self, model: str) -> list[int]:
-        """The process ids of a model's workers (trainer first)."""
-        return [w.pid for w in (self._trainers[model], *self._samplers[model])]
+        """The process ids of a model's workers: the trainer's ranks, then each replica."""
+        return [pid for w in (self._trainers[model], *self._samplers[model]) for pid in w.pids]
 
     # ---- the Backend ------------------------------------------------------------------------
 
@@ -317,10 +286,10 @@ class RayBackend:
                     out[i] = Failure.of(Unavailable(f"{trainer} is restarting after a failure; try again shortly"))
                 continue
             batch = [requests[i] for i in indices]
-            calls.append((trainer, indices, trainer.handle.call.remote("run_batch", batch, backward)))
-        for trainer, indices, ref in calls:
+            calls.append((trainer, indices, self._submit(trainer, "call", "run_batch", batch, backward)))
+        for trainer, indices, refs in calls:
             try:
-                results = self._get(trainer, ref)
+                results = self._get(trainer, refs)
             except WorkerLost as e:
                 results = [Failure.of(e)] * len(indices)
             for i, result in zip(indices, results):
@@ -356,9 +325,9 @@ class RayBackend:
         trainer = self._trainer_of_run(run_id)
         version = self._call(trainer, "save_weights_for_sampler", run_id, path)
         replicas = [w for w in self._samplers[trainer.model] if self._usable(w)]
-        for worker, ref in [(w, w.handle.warm.remote(path)) for w in replicas]:
+        for worker, refs in [(w, self._submit(w, "warm", path)) for w in replicas]:
             try:
-                self._get(worker, ref)
+                self._get(worker, refs)
             except WorkerLost:
                 pass  # it loads the version from the file on first use once restarted
         with self._lock:
@@ -409,17 +378,17 @@ class RayBackend:
             for w in busy:
                 if w.stepping is None:
                     seconds = SAMPLER_STEP_SECONDS if w.role == "sampler" else 0.0
-                    w.stepping = w.handle.sample_steps.remote(seconds)
-            pending = {w.stepping: w for w in busy}
+                    w.stepping = self._submit(w, "sample_steps", seconds)
+            pending = {w.stepping[0]: w for w in busy}
         if not pending:
             return []
         ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=SAMPLER_STEP_SECONDS)
         ended: list[tuple[str, SampleResult | Failure]] = []
         for ref in ready:
             worker = pending[ref]
-            worker.stepping = None
+            refs, worker.stepping = worker.stepping, None
             try:
-                ended += self._get(worker, ref)
+                ended += self._get(worker, refs)
             except WorkerLost as e:
                 ended += [(request_id, Failure.of(e)) for request_id in worker.inflight]
             with self._lock:
@@ -437,16 +406,16 @@ class RayBackend:
                 continue
             if worker.ping is None:
                 if now - worker.pinged_at >= HEARTBEAT_SECONDS:
-                    worker.ping, worker.pinged_at = worker.handle.describe.remote(), now
+                    worker.ping, worker.pinged_at = self._submit(worker, "describe"), now
                 continue
-            ready, _ = self._ray.wait([worker.ping], timeout=0)
-            if not ready:
+            ready, _ = self._ray.wait(worker.ping, num_returns=len(worker.ping), timeout=0)
+            if len(ready) < len(worker.ping):
                 continue
             try:
-                _, pid, _ = self._ray.get(worker.ping)
+                pids = [d[1] for d in self._ray.get(worker.ping)]
                 worker.ping = None
-                if pid != worker.pid:
-                    self._lose(worker, RuntimeError(f"restarted as pid {pid}"))
+                if pids != worker.pids:
+                    self._lose(worker, RuntimeError(f"restarted as pids {pids}"))
             except self._ray.exceptions.RayActorError as e:
                 self._lose(worker, e)
         with self._lock:
@@ -455,9 +424,9 @@ class RayBackend:
 
     def close(self) -> None:
         """Stop the workers (and the local Ray instance this backend started)."""
-        for worker in self._workers():
+        for actor in (a for w in self._workers() for a in w.ranks):
             try:
-                self._ray.kill(worker.handle, no_restart=True)
+                self._ray.kill(actor, no_restart=True)
             except Exception:
                 pass
         if self._owns_ray and self._ray.is_initialized():

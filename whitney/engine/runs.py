@@ -379,13 +379,25 @@ class Engine:
         run.sampler_versions[version] = copy_adapter(run.adapter)
         return version
 
+    def save_version(self, run_id: str, version: int, path: str) -> dict:
+        """Write a sampler version's frozen adapter at `path` (a state checkpoint without optimizer)."""
+        run = self.get_run(run_id)
+        if version not in run.sampler_versions:
+            raise NotFound(f"run {run_id!r} has no sampler version {version}", field="version")
+        return ckpt.save_state(path, run.sampler_versions[version], None, run.base.name)
+
     def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> dict:
         """Checkpoint the adapter (and optimizer) atomically at `path`; returns the manifest."""
         run = self.get_run(run_id)
         return ckpt.save_state(path, run.adapter, run.optimizer if include_optimizer else None, run.base.name)
 
     def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None:
-        """Restore weights (fresh optimizer) or weights and optimizer. Gradients are cleared."""
+        """Restore weights (fresh optimizer) or weights and optimizer. Gradients are cleared. A checkpoint
+        written by several ranks (engine/sharded.py) loads too, onto this engine's ranks or this process."""
+        if ckpt.is_sharded(path):
+            from whitney.engine.sharded import load_sharded_state
+
+            return load_sharded_state(self, run_id, path, with_optimizer)
         run = self.get_run(run_id)
         optimizer = ckpt.load_into(path, run.adapter, OptimizerState() if with_optimizer else None, run.base.name)
         run.optimizer = optimizer if with_optimizer else OptimizerState()

@@ -137,11 +137,17 @@ class ShardedEngine(Engine):
     calls in the same order; results, LoRA weights and optimizer state are equal on every rank.
     """
 
-    def __init__(self, **engine_kwargs):
+    def __init__(self, device: str | torch.device | None = None, **engine_kwargs):
+        """`device` is the process group's (gloo: the CPU; NCCL: the rank's current CUDA device); another
+        one given is refused."""
         if not dist.is_initialized():
             raise RuntimeError("ShardedEngine runs on a rank of an initialised process group (see spawn_ranks)")
         cuda = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        own = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if device not in (None, "auto") and torch.device(device).type != own.type:
+            raise InvalidInput(f"a {dist.get_backend()} process group computes on {own.type}, not {device}",
+                               field="device")
+        device = own
         super().__init__(device=device, **engine_kwargs)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -162,12 +168,10 @@ class ShardedEngine(Engine):
         """A sharded checkpoint (see save_sharded_state); every rank calls it."""
         return save_sharded_state(self, run_id, path, include_optimizer)
 
-    def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None:
-        """A sharded checkpoint (written by any number of ranks) or an ordinary one (read by every rank)."""
-        if _manifest(path).get("format_version") == ckpt.SHARDED_FORMAT:
-            load_sharded_state(self, run_id, path, with_optimizer)
-        else:
-            super().load_state(run_id, path, with_optimizer)
+    def save_version(self, run_id: str, version: int, path: str) -> dict:
+        """Rank 0 writes the frozen version (an ordinary checkpoint: the adapter is the same on every rank)."""
+        self.get_run(run_id)
+        return _from_rank0(super().save_version, run_id, version, path)
 
     def export_lora(self, run_id: str, path: str) -> None:
         """Rank 0 writes the PEFT directory (the adapter is the same on every rank)."""

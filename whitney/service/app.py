@@ -137,8 +137,14 @@ def start_backend(config: ServiceConfig, shown: list[str]) -> Backend:
     placements = []
     for name, public in zip(config.models, shown):
         given = dict(config.worker_resources.get(name) or config.worker_resources.get(public) or {})
-        placements.append(Placement(name, public, num_cpus=given.pop("cpus", 1.0), num_gpus=given.pop("gpus", 0.0),
-                                    resources=given, samplers=config.samplers))
+        cpus, gpus = given.pop("cpus", 1.0), given.pop("gpus", 0.0)
+        # A trainer given N > 1 GPUs (or shards:N) shards its base over N ranks, one device each.
+        shards = given.pop("shards", gpus if gpus > 1 else 1)
+        if shards != int(shards) or shards < 1 or (gpus > 1 and shards != gpus):
+            raise InvalidInput(f"worker resources of {public}: shards must be a whole number >= 1 (and equal gpus "
+                               f"when gpus > 1), got shards {shards} with gpus {gpus}", field="worker_resources")
+        placements.append(Placement(name, public, num_cpus=cpus, num_gpus=gpus / shards if gpus > 1 else gpus,
+                                    resources=given, samplers=config.samplers, shards=int(shards)))
     return RayBackend(engine, placements, config.ray_address)
 
 

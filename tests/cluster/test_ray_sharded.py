@@ -1,0 +1,77 @@
+"""A trainer whose base is sharded over two ranks (FSDP2, gloo) behind the Ray backend: the same numbers as
+the in-process engine, its sharded checkpoints resume on an unsharded worker, and a rank that dies takes its
+group down and back up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.cluster.test_ray_backend import CONFIG, LORA, assert_results_equal, both, data
+from whitney.engine import AdamParams, ForwardRequest, InProcessBackend, LoraConfig, Weights
+from whitney.engine.backend import Failure
+from whitney.engine.ray_backend import Placement, RayBackend
+from whitney.errors import Unavailable
+
+
+@pytest.fixture(scope="module")
+def sharded(ray_cluster, tiny_qwen3):
+    ray_backend = RayBackend(CONFIG, [Placement(tiny_qwen3, "qwen", resources={"node_a": 1}, shards=2, samplers=1)])
+    local = InProcessBackend.start(CONFIG, [])
+    local.load_model(tiny_qwen3, alias="qwen")
+    yield ray_backend, local
+    ray_backend.close()
+
+
+def test_sharded_trainer_equals_in_process(sharded, tmp_path):
+    ray_backend, local = sharded
+    assert len(ray_backend.pids("qwen")) == 3, "two ranks and a replica"
+    both(sharded, "create_run", "a", "qwen", LORA)
+    both(sharded, "create_run", "b", "qwen", LoraConfig(rank=8, seed=2, train_unembed=False))
+    for step in range(3):
+        requests = [ForwardRequest("a", data(step)), ForwardRequest("b", data(step + 10))]
+        for r, l in zip(*both(sharded, "run_batch", requests, True), strict=True):
+            assert_results_equal(r, l)
+        for run_id in ("a", "b"):
+            m_remote, m_local = both(sharded, "optim_step", run_id, AdamParams(learning_rate=1e-2))
+            assert m_remote == pytest.approx(m_local, rel=1e-5)
+    # A sampler version is an ordinary file the (unsharded) replica loads: same log-probs.
+    versions = [b.save_weights_for_sampler("a", str(tmp_path / f"v{i}")) for i, b in enumerate(sharded)]
+    assert versions == [1, 1]
+    sequence = data(5)[0].token_ids
+    remote, local_lp = both(sharded, "compute_logprobs", [sequence], Weights(run_id="a", version=1))
+    torch.testing.assert_close(torch.tensor(remote[0][1:]), torch.tensor(local_lp[0][1:]), atol=1e-5, rtol=0)
+
+    # save_state on two ranks is sharded; it resumes on an unsharded engine exactly.
+    ray_backend.save_state("a", str(tmp_path / "sharded"), True)
+    assert (tmp_path / "sharded" / "__1_0.distcp").exists()
+    local.create_run("resumed", "qwen", LORA, str(tmp_path / "sharded"), True)
+    (r,), (l,) = (b.run_batch([ForwardRequest(run, data(7))], False) for b, run in zip(sharded, ("a", "resumed")))
+    assert_results_equal(r, l)
+    m_remote, m_local = ray_backend.optim_step("a", AdamParams()), local.optim_step("resumed", AdamParams())
+    assert m_remote == m_local  # no gradient: both step from the same moments
+
+
+def test_a_dead_rank_takes_its_group_down_and_back(sharded):
+    ray_backend, _ = sharded
+    ray_backend.create_run("k", "qwen", LORA)
+    rank1 = ray_backend.pids("qwen")[1]
+    os.kill(rank1, signal.SIGKILL)
+    (failure,) = ray_backend.run_batch([ForwardRequest("k", data(0))], True)
+    assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
+    assert "k" in ray_backend.take_lost_runs()
+    deadline = time.monotonic() + 120
+    while True:  # 503 (Unavailable) while the ranks restart and form their group again
+        try:
+            ray_backend.create_run("k2", "qwen", LORA)
+            break
+        except Unavailable:
+            assert time.monotonic() < deadline, "the group never came back"
+            time.sleep(0.5)
+    assert rank1 not in ray_backend.pids("qwen")
+    (result,) = ray_backend.run_batch([ForwardRequest("k2", data(0))], True)
+    assert not isinstance(result, Failure), result
