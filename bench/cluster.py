@@ -1,11 +1,12 @@
 """The Ray backend against the in-process one, on this machine (issue 11): what the actor hop costs.
 
-`whitney serve` in its own process on SmolLM2-135M, first in-process, then `--backend ray` (a local Ray
-instance started by the server, the model's trainer an actor with both CPUs: `--worker-resources
-MODEL=cpus:2`). One client each, the servers one after the other (never sharing the 2 cores):
+`whitney serve` in its own process on SmolLM2-135M: in-process, and `--backend ray` (a local Ray instance
+started by the server, the model's trainer an actor with both CPUs: `--worker-resources MODEL=cpus:2`).
+Both servers are up together and their calls alternate, one at a time (never sharing the 2 cores; this
+VM's speed drifts by tens of percent over minutes, so runs one after the other would compare drift):
   trivial op    optim_step on a rank-8 attention-only LoRA: submit -> result, client-side wall time;
                 check: Ray's p50 minus in-process p50 at most 5 ms.
-  SFT           forward_backward (8 x 128 tokens, rank 32) + optim_step, pipelined, after warm-up:
+  SFT           forward_backward (8 x 128 tokens, rank 32) + optim_step, each awaited, median per step:
                 training tokens/s; check: Ray / in-process at least 0.95.
   sampling under training load (info)   one client trains as above while another samples 16 tokens
                 from the base model (16-token prompt) again and again: the sample's submit -> result
@@ -19,41 +20,20 @@ from __future__ import annotations
 import threading
 import time
 
-from bench.common import percentile, sft_batch, start_server
+from bench.common import alternate, median, percentile, sft_batch, start_server
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def trivial_ops(url: str, n: int) -> list[float]:
+def training_client(url: str, **lora):
+    """A client, and a run on it that has taken one step (warm)."""
     import whitney
 
-    with whitney.Client(url, timeout=300) as client:
-        run_ = client.create_session(bench="cluster").create_run(rank=8, train_mlp=False, train_unembed=False)
-        run_.forward_backward(sft_batch(1, 32, seed=1)).result()
-        out = []
-        for i in range(n + 3):
-            t = time.perf_counter()
-            run_.optim_step(learning_rate=1e-4).result()
-            if i >= 3:  # warm-up
-                out.append(time.perf_counter() - t)
-        return out
-
-
-def sft_tokens_per_s(url: str, steps: int, batch: list[dict]) -> float:
-    import whitney
-
-    tokens = sum(len(d["input"]["token_ids"]) for d in batch)
-    with whitney.Client(url, timeout=600) as client:
-        run_ = client.create_session(bench="cluster").create_run(rank=32, seed=3)
-        for _ in range(2):
-            run_.forward_backward(batch).result()
-            run_.optim_step(learning_rate=1e-4).result()
-        t = time.perf_counter()
-        futures = [(run_.forward_backward(batch), run_.optim_step(learning_rate=1e-4)) for _ in range(steps)]
-        for fb, opt in futures:
-            fb.result()
-            opt.result()
-        return steps * tokens / (time.perf_counter() - t)
+    client = whitney.Client(url, timeout=600)
+    run_ = client.create_session(bench="cluster").create_run(**lora)
+    run_.forward_backward(sft_batch(1, 32, seed=1)).result()
+    run_.optim_step(learning_rate=1e-4).result()
+    return client, run_
 
 
 def sampling_under_load(url: str, seconds: float, batch: list[dict]) -> dict:
@@ -103,25 +83,37 @@ def sampling_under_load(url: str, seconds: float, batch: list[dict]) -> dict:
 def run(quick: bool = False, dtype: str = "float32") -> dict:
     n_trivial, steps, seconds = (10, 2, 20) if quick else (40, 8, 60)
     batch = sft_batch(8, 128, seed=2)
+    tokens = sum(len(d["input"]["token_ids"]) for d in batch)
     common = ("--dtype", dtype)
     ray_args = ("--backend", "ray", "--worker-resources", f"{MODEL}=cpus:2")
     split = ("--backend", "ray", "--samplers", "1", "--worker-resources", f"{MODEL}=cpus:1")
     out: dict[str, dict] = {}
-    for name, args in (("inprocess", ()), ("ray", ray_args)):
-        with start_server(*common, *args, model=MODEL, timeout=300) as server:
-            trivial = trivial_ops(server.url, n_trivial)
-            out[name] = {"trivial_p50_ms": percentile(trivial, 0.5) * 1e3,
-                         "trivial_p90_ms": percentile(trivial, 0.9) * 1e3,
-                         "sft_tokens_per_s": sft_tokens_per_s(server.url, steps, batch)}
-            if name == "inprocess":
-                out[name]["under_load"] = sampling_under_load(server.url, seconds, batch)
+    # Both servers up at once, their calls alternated (this VM's speed drifts by tens of percent over minutes).
+    with start_server(*common, model=MODEL, timeout=300) as local, \
+            start_server(*common, *ray_args, model=MODEL, timeout=300) as remote:
+        servers = {"inprocess": local, "ray": remote}
+        trivial_runs = {k: training_client(s.url, rank=8, train_mlp=False, train_unembed=False)
+                        for k, s in servers.items()}
+        sft_runs = {k: training_client(s.url, rank=32, seed=3) for k, s in servers.items()}
+        trivial = alternate({k: lambda r=r: r.optim_step(learning_rate=1e-4).result()
+                             for k, (_, r) in trivial_runs.items()}, n_trivial, "optim_step")
+        sft = alternate({k: lambda r=r: (r.forward_backward(batch).result(), r.optim_step(learning_rate=1e-4).result())
+                         for k, (_, r) in sft_runs.items()}, steps, "sft")
+        for name in servers:
+            out[name] = {"trivial_p50_ms": percentile(trivial[name], 0.5) * 1e3,
+                         "trivial_p90_ms": percentile(trivial[name], 0.9) * 1e3,
+                         "sft_tokens_per_s": tokens / median(sft[name]), "sft_step_s": sft[name]}
+        for client, _ in (*trivial_runs.values(), *sft_runs.values()):
+            client.close()
+    with start_server(*common, model=MODEL, timeout=300) as server:
+        out["inprocess"]["under_load"] = sampling_under_load(server.url, seconds, batch)
     with start_server(*common, *split, model=MODEL, timeout=300) as server:
         out["ray_replica"] = {"under_load": sampling_under_load(server.url, seconds, batch)}
     local, remote = out["inprocess"], out["ray"]
     interleaved, replica = local["under_load"], out["ray_replica"]["under_load"]
     return {
         "benchmark": "cluster",
-        "settings": {"model": MODEL, "trivial_ops": n_trivial, "sft_steps": steps, "sft_batch": "8 x 128",
+        "settings": {"model": MODEL, "trivial_ops": n_trivial, "sft_rounds": steps, "sft_batch": "8 x 128",
                      "rank": 32, "load_seconds": seconds, "sample": "16-token prompt, 16 tokens"},
         **out,
         "checks": [

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "peers"]
+ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster", "peers"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -283,6 +283,11 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "- **soak**: 32 clients on the tiny model for 3 minutes: forward_backward + optim_step, every 4th step a "
         "sampler version and an 8-token sample. Targets: zero errors; server RSS growth after the first third "
         "<= 5%.",
+        "- **cluster**: `whitney serve` in-process and `--backend ray` (local Ray, the trainer an actor with both "
+        "CPUs), both up, their calls alternated one at a time: optim_step p50 (target: Ray at most 5 ms more) "
+        "and SFT 8 x 128 tokens/s (target Ray >= 0.95x); then, one after the other, sampling 16 tokens while "
+        "another client trains, in-process (interleaved) vs Ray with one sampler replica (trainer and replica "
+        "one CPU each): the sample's p50 and the training tokens/s meanwhile (info).",
         "- **peers** (`make bench-peers`, after `../shared/peers/skyrl/setup.sh`): `../shared/peers/bench_sdk.py` "
         "through the official SDK against `whitney serve` (SDK 0.38, LoRA clients with train_unembed=False as "
         "SkyRL trains no unembedding adapter) and against SkyRL tx 0.4.0 (JAX, float32, its pinned SDK 0.25; "
