@@ -134,7 +134,8 @@ def add_backend_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--worker-resources", action="append", default=[], metavar="MODEL=cpus:N,gpus:N,RES:N",
                        help="ray: resources of each worker of MODEL (as given to --model or its served name); "
                             "gpus:N with N > 1 or shards:N: the trainer shards the base over N ranks (FSDP2), one "
-                            "device each; other keys are custom Ray resources, e.g. a node label (repeatable; default cpus:1)")
+                            "device each; other keys are custom Ray resources, e.g. a node label (repeatable; "
+                            "default cpus:1)")
 
 
 def backend_config(args) -> dict:

@@ -121,7 +121,8 @@ def test_validation_happens_here_with_the_engines_messages(backends):
     assert errors[0] == errors[1]
     with pytest.raises(NotFound):
         ray_backend.validate(ForwardRequest("nope", data(0)), True)
-    assert ray_backend.validate(ForwardRequest("v", data(0)), True) == local.validate(ForwardRequest("v", data(0)), True)
+    good = ForwardRequest("v", data(0))
+    assert ray_backend.validate(good, True) == local.validate(good, True)
     assert ray_backend.adapter_bytes("tiny", LORA) == local.adapter_bytes("tiny", LORA)
     with pytest.raises(InvalidInput, match="unknown module .nope."):
         ray_backend.adapter_bytes("tiny", LoraConfig(target_modules=["nope"]))
