@@ -149,3 +149,25 @@ def test_a_model_that_cannot_load_is_refused_with_its_reason(ray_cluster, tmp_pa
     with pytest.raises(Exception) as e:
         RayBackend(CONFIG, [Placement(str(tmp_path / "missing"), "missing")])
     assert "missing" in str(e.value)
+
+
+def test_a_trainer_that_dies_while_idle_is_noticed_by_the_heartbeat(ray_cluster, tiny_qwen3):
+    import os
+    import signal
+    import time
+
+    backend = RayBackend(CONFIG, [Placement(tiny_qwen3, "qwen", resources={"node_b": 1})])
+    try:
+        backend.create_run("idle", "qwen", LORA)
+        assert backend.take_lost_runs() == []
+        os.kill(backend.pids("qwen")[0], signal.SIGKILL)  # no call in flight
+        deadline, lost = time.monotonic() + 30, []
+        while not lost:
+            assert time.monotonic() < deadline, "the heartbeat never noticed"
+            lost = backend.take_lost_runs()
+            time.sleep(0.2)
+        assert lost == ["idle"]
+        with pytest.raises(NotFound):  # gone: the scheduler has interrupted it by now
+            backend.validate(ForwardRequest("idle", data(0)), True)
+    finally:
+        backend.close()
