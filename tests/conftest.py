@@ -45,3 +45,14 @@ def tiny_qwen3(tmp_path_factory) -> str:
 def tiny_model(request, tiny_llama, tiny_qwen3) -> str:
     """Each tiny model in turn."""
     return tiny_llama if request.param == "llama" else tiny_qwen3
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL server for the session (tests/postgres.py); `new_database()` per test."""
+    from tests.postgres import PostgresServer, pg_bin
+
+    if pg_bin() is None:
+        pytest.skip("PostgreSQL is not installed (make test installs Debian's postgresql)")
+    with PostgresServer() as server:
+        yield server

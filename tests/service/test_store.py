@@ -1,10 +1,10 @@
-"""The store without HTTP, on a real SQLite file: the status tables, idempotent submission, restart recovery."""
+"""The store without HTTP, on a real SQLite file and a real PostgreSQL server (each test runs on both): the
+status tables, idempotent submission under concurrent writers, restart recovery."""
 
 from __future__ import annotations
 
-import sqlite3
-
 import pytest
+from sqlalchemy import text
 
 from whitney.errors import Conflict, NotFound
 from whitney.service.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE, RUN_MOVES,
@@ -13,14 +13,17 @@ from whitney.service.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERA
 from whitney.service.store import Store, digest
 
 
-@pytest.fixture
-def db_path(tmp_path):
-    return tmp_path / "s.db"
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    """A fresh database: a SQLite file, or a new database on the session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 's.db'}"
+    return request.getfixturevalue("postgres").new_database()
 
 
 @pytest.fixture
-def store(db_path) -> Store:
-    return Store(f"sqlite:///{db_path}")
+def store(db_url) -> Store:
+    return Store(db_url)
 
 
 def new_run(store: Store, owner: str = "me", status: RunStatus = RunStatus.ACTIVE) -> str:
@@ -57,14 +60,15 @@ def test_tables_cover_every_status_and_their_sets_agree():
     assert not sources(OPERATION_MOVES, OperationStatus.QUEUED), "nothing moves back to queued"
 
 
-def test_enums_equal_their_strings_in_the_database(store, db_path):
+def test_enums_equal_their_strings_in_the_database(store):
     run_id = new_run(store, status=RunStatus.FINISHING)
     op_id = new_operation(store, OperationStatus.RUNNING)
     assert RunStatus.FINISHING == "finishing" and f"{OperationKind.FORWARD_BACKWARD}" == "forward_backward"
     assert digest({"kind": OperationKind.OPTIM_STEP}) == digest({"kind": "optim_step"}), "retries keep their digest"
-    with sqlite3.connect(db_path) as raw:
-        assert raw.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone() == ("finishing",)
-        assert raw.execute("SELECT kind, status FROM operations WHERE id = ?", (op_id,)).fetchone() == \
+    with store.engine.connect() as raw:  # plain SQL, past the ORM
+        assert tuple(raw.execute(text("SELECT status FROM runs WHERE id = :id"), {"id": run_id}).one()) == \
+            ("finishing",)
+        assert tuple(raw.execute(text("SELECT kind, status FROM operations WHERE id = :id"), {"id": op_id}).one()) == \
             ("sample", "running")
     assert type(store.get_run(run_id)["status"]) is str  # rows read back as plain strings
 
@@ -242,6 +246,41 @@ def test_a_racing_duplicate_resolves_through_the_constraint(store):
     assert len(store.list_operations(run_id)) == 2
 
 
+def test_concurrent_writers_keep_run_seq_unique_and_lose_nothing(store, db_url):
+    """Two stores on one database (two API worker processes) and 16 threads submit the same 10 seq_ids of
+    one run, the same bodies, at once: each (run, seq_id) is stored once, every answer names that one
+    operation, and every result written meanwhile reads back."""
+    import threading
+
+    other = Store(db_url)
+    run_id = new_run(store)
+    start, answers, errors = threading.Barrier(16), {}, []
+
+    def worker(i: int) -> None:
+        mine = (store, other)[i % 2]
+        start.wait()
+        try:
+            for seq in range(10):
+                op, _ = mine.submit_operation("me", run_id, seq, OperationKind.FORWARD, f"body-{seq}")
+                answers.setdefault(seq, set()).add(op["id"])
+                if mine.set_operation(op["id"], OperationStatus.RUNNING):  # one writer wins each move
+                    assert mine.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"loss": float(seq)})
+        except Exception as e:  # noqa: BLE001 (any failure is the bug)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:3]
+    assert all(len(ids) == 1 for ids in answers.values()) and len(answers) == 10
+    stored = store.list_operations(run_id)
+    assert sorted(op["seq_id"] for op in stored) == list(range(10))
+    for op in stored:
+        assert op["status"] == OperationStatus.SUCCEEDED and op["result"] == {"loss": float(op["seq_id"])}
+
+
 def test_sampling_operations_are_never_deduplicated(store):
     a, _ = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
     b, created = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
@@ -253,10 +292,10 @@ def test_sampling_operations_are_never_deduplicated(store):
 # ---- restart recovery ---------------------------------------------------------------------------------
 
 
-def test_recover_after_restart(store, db_path):
+def test_recover_after_restart(store, db_url):
     ops = {s: new_operation(store, s) for s in OperationStatus}
     runs = {s: new_run(store, status=s) for s in RunStatus}
-    Store(f"sqlite:///{db_path}").recover_after_restart()  # the next process, on the same file
+    Store(db_url).recover_after_restart()  # the next process, on the same database
     for status, op_id in ops.items():
         op = store.get_operation(op_id)
         if status in OPERATION_PENDING:

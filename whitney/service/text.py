@@ -62,9 +62,11 @@ def sanitize(value: Any) -> Any:
     return value
 
 
-def loads(text: str) -> Any:
+def loads(text: str | bytes) -> Any:
     """json.loads for stored JSON columns: lone surrogates (only possible where the text holds a
-    surrogate escape) come back as U+FFFD."""
+    surrogate escape) come back as U+FFFD. PostgreSQL's driver hands the column over as bytes."""
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode("utf-8")
     value = json.loads(text)
     return sanitize(value) if _SURROGATE_ESCAPE_TEXT.search(text) else value
 
