@@ -128,6 +128,10 @@ class FakeBackend:
         lost, self.lost = self.lost, []
         return lost
 
+    @property
+    def sampling(self) -> int:
+        return len(self.samples)
+
     def close(self) -> None:
         pass
 

@@ -17,6 +17,7 @@ no exception objects in results), so a backend can live in this process (`InProc
   submit_sample(request_id, prompt, params, weights); sample_step() -> [(request_id, result | Failure)]
   take_lost_runs()                runs whose worker died since the last call (their state is gone)
   close()                         stop the workers
+  sampling                        sampling requests in flight (the metrics' batch occupancy)
   separate_sampling               True when sampling and scoring run apart from training (other workers):
                                   the service then drives them from a second thread
 
@@ -26,8 +27,10 @@ the state died; anything else is a bug of the backend. `RayBackend` (ray_backend
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Protocol, runtime_checkable
+
+import torch
 
 from whitney.engine.config import EngineConfig
 from whitney.engine.lora import LoraConfig, adaptable_short_names, validate_lora_config
@@ -54,6 +57,7 @@ class ModelInfo:
     device: str  # resolved: "cpu" or "cuda:N"
     eos_token_ids: tuple[int, ...]
     linear_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # path -> (in, out)
+    weight_bytes: int = 0  # the frozen base's tensors held by the worker (its shard, when sharded)
 
     @classmethod
     def of(cls, base: BaseModel, name: str) -> "ModelInfo":
@@ -62,7 +66,26 @@ class ModelInfo:
                    adaptable_modules=tuple(sorted(adaptable_short_names(base.linear_shapes))),
                    compute_dtype=next(k for k, v in COMPUTE_DTYPES.items() if v == base.compute_dtype),
                    device=str(base.device), eos_token_ids=tuple(base.eos_token_ids),
-                   linear_shapes=dict(base.linear_shapes))
+                   linear_shapes=dict(base.linear_shapes), weight_bytes=tensor_bytes(vars(base)))
+
+
+def tensor_bytes(obj, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct tensors reachable from `obj` (tensors, dicts, lists, dataclasses, modules)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if obj.data_ptr() in seen or obj.device.type == "meta":
+            return 0
+        seen.add(obj.data_ptr())
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, torch.nn.Module):
+        return sum(tensor_bytes(t, seen) for t in (*obj.parameters(), *obj.buffers()))
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return sum(tensor_bytes(getattr(obj, f.name), seen) for f in fields(obj))
+    return 0
 
 
 def adapter_bytes(info: ModelInfo, lora: LoraConfig, max_rank: int) -> int:
@@ -151,6 +174,8 @@ class Backend(Protocol):
     def sample_step(self) -> list[tuple[str, SampleResult | Failure]]: ...
     def take_lost_runs(self) -> list[str]: ...
     def close(self) -> None: ...
+    @property
+    def sampling(self) -> int: ...
 
 
 @dataclass

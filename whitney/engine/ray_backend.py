@@ -395,6 +395,12 @@ class RayBackend:
                 worker.inflight -= {request_id for request_id, _ in ended}
         return ended
 
+    @property
+    def sampling(self) -> int:
+        """Sampling requests in flight on every worker."""
+        with self._lock:
+            return sum(len(w.inflight) for w in self._workers())
+
     # ---- faults and shutdown ------------------------------------------------------------------
 
     def take_lost_runs(self) -> list[str]:

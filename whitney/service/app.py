@@ -23,6 +23,7 @@ from whitney.service.bodies import read_body, replaying
 from whitney.service.deps import ServiceState, Unauthorized
 from whitney.service.keys import KeyGate, KeyLimits, KeyRing
 from whitney.service.limits import Limits
+from whitney.service.metrics import Metrics
 from whitney.service.quotas import QuotaExceeded, Quotas
 from whitney.service.routes import capabilities, checkpoints, operations, sampling, sessions
 from whitney.service.scheduler import Scheduler
@@ -74,7 +75,8 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
     """
     data_dir = Path(config.data_dir).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
-    store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}")
+    metrics = Metrics()
+    store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}", observer=metrics.operation_ended)
     store.recover_after_restart()
     remove_leftovers(data_dir / "packages")  # half-written checkpoints of a killed process
     # A model served from a directory goes by the directory's name, so no route shows a server path; the
@@ -99,7 +101,9 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
     keys = KeyRing(store, list(config.api_keys), config.require_keys)
     app.state.whitney = ServiceState(store, scheduler, shown, keys, data_dir, config.limits,
                                      Quotas(store, keys, config.key_limits, backend),
-                                     {name: public for name, public in zip(config.models, shown) if name != public})
+                                     {name: public for name, public in zip(config.models, shown) if name != public},
+                                     metrics)
+    metrics.watch(app.state.whitney)
     for module in (capabilities, sessions, operations, sampling, checkpoints):
         app.include_router(module.router, responses=ERRORS)
     app.include_router(capabilities.health, responses=ERRORS)  # GET /healthz, the one route open without a key

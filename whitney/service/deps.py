@@ -11,6 +11,7 @@ from fastapi import Depends, Header, Request
 from whitney.engine.backend import ModelInfo
 from whitney.service.keys import KeyRing, Unauthorized, owner_of_key, presented_key  # noqa: F401 (re-exported)
 from whitney.service.limits import Limits
+from whitney.service.metrics import Metrics
 from whitney.service.quotas import Quotas
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store
@@ -30,6 +31,7 @@ class ServiceState:
     # A model served from a directory is named by the directory's name; the path as given to the server is
     # accepted too (it names the same model), but never shown.
     model_aliases: dict[str, str] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)  # GET /metrics (whitney.service.metrics)
 
     def serves(self, base_model: str | None) -> bool:
         return base_model in self.models or base_model in self.model_aliases

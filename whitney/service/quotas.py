@@ -51,7 +51,7 @@ class Quotas:
         """What the owner holds now, in the units of its limits."""
         held = self.store.usage(owner)
         return {"sessions": held["sessions"], "runs": len(held["runs"]),
-                "adapter_bytes": sum(self._run_bytes(b, lora) for b, lora in held["runs"]),
+                "adapter_bytes": sum(self.run_bytes(b, lora) for b, lora in held["runs"]),
                 "queued_operations": held["operations"], "tokens_per_minute": self._window(owner, time.time())[1]}
 
     # ---- checks, each before the request adds to what it counts ---------------------------------
@@ -75,7 +75,7 @@ class Quotas:
             raise QuotaExceeded(f"this key may hold {limits.max_runs} live runs and holds {len(runs)}; finish or "
                                 "cancel one first", field="max_runs", limit=limits.max_runs, usage=len(runs),
                                 retry_after=HELD_RETRY)
-        held = sum(self._run_bytes(b, cfg) for b, cfg in runs)
+        held = sum(self.run_bytes(b, cfg) for b, cfg in runs)
         if limits.max_adapter_bytes and held + cost > limits.max_adapter_bytes:
             raise QuotaExceeded(f"this run's adapter needs {cost} bytes (weights, AdamW moments, gradients); this "
                                 f"key's live runs hold {held} of its {limits.max_adapter_bytes}; finish or cancel "
@@ -135,7 +135,7 @@ class Quotas:
         against the model (InvalidInput), as creating the run would."""
         return self.backend.adapter_bytes(base_model, LoraConfig.from_dict(lora))
 
-    def _run_bytes(self, base_model: str, lora: dict) -> int:
+    def run_bytes(self, base_model: str, lora: dict) -> int:
         try:
             return self._adapter_bytes(base_model, lora)
         except (KeyError, WhitneyError):  # a model no longer served: its runs hold nothing here

@@ -122,7 +122,10 @@ def new_id(prefix: str) -> str:
 class Store:
     """Owns the database connection. Every method is one short transaction."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, observer: Callable[..., None] | None = None):
+        """`observer(kind, status, created_at, started_at, finished_at, result, error)` hears of every
+        operation that ends (the metrics)."""
+        self.observer = observer
         args = {"check_same_thread": False, "timeout": 30} if url.startswith("sqlite") else {}
         # JSON columns are read with read_json: a row stored with a lone surrogate reads back as U+FFFD.
         self.engine = create_engine(url, connect_args=args, json_deserializer=read_json)
@@ -311,8 +314,16 @@ class Store:
         if status in OPERATION_TERMINAL:
             values.update(finished_at=now, result=result, error=error)
         with self.tx() as db:
-            return db.execute(update(OperationRow).where(OperationRow.id == op_id, OperationRow.status.in_(
-                sources(OPERATION_MOVES, status))).values(**values)).rowcount == 1
+            ended = db.execute(update(OperationRow).where(OperationRow.id == op_id, OperationRow.status.in_(
+                sources(OPERATION_MOVES, status))).values(**values).returning(
+                OperationRow.kind, OperationRow.created_at, OperationRow.started_at)).first()
+        if ended is not None and status in OPERATION_TERMINAL:
+            self._observe(ended.kind, status, ended.created_at, ended.started_at, now, result, error)
+        return ended is not None
+
+    def _observe(self, *ended) -> None:
+        if self.observer is not None:
+            self.observer(*ended)
 
     def cancel_queued(self, run_id: str, reason: str) -> list[str]:
         """Cancel every queued operation of a run; return their ids."""
@@ -325,7 +336,21 @@ class Store:
                                                               OperationRow.status == OperationStatus.QUEUED)))
             for row in rows:
                 row.status, row.finished_at, row.error = status, time.time(), error
-            return [r.id for r in rows]
+        for row in rows:
+            self._observe(row.kind, status, row.created_at, None, row.finished_at, None, error)
+        return [r.id for r in rows]
+
+    def status_counts(self) -> dict[str, dict[str, int]]:
+        """How many runs and sessions have each status."""
+        with self.tx() as db:
+            runs = db.execute(select(RunRow.status, func.count()).group_by(RunRow.status)).all()
+            sessions = db.execute(select(SessionRow.status, func.count()).group_by(SessionRow.status)).all()
+        return {"runs": dict(runs), "sessions": dict(sessions)}
+
+    def live_runs(self) -> list[dict]:
+        """Every run not yet ended (their adapters are held)."""
+        with self.tx() as db:
+            return [_row_dict(r) for r in db.scalars(select(RunRow).where(RunRow.status.in_(RUN_LIVE)))]
 
     def recover_after_restart(self) -> None:
         """Operations that were queued or running when the process died failed; their runs are interrupted."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from whitney.engine import LOSS_CONFIG_KEYS
 from whitney.service.deps import Owner, State
@@ -44,6 +45,13 @@ def capabilities(st: State) -> dict:
 def quota(st: State, who: Owner) -> dict:
     """The caller's per-key limits (0: unlimited) and what it holds against each now (max_runs: runs...)."""
     return {"limits": asdict(st.quotas.limits(who)), "usage": st.quotas.usage(who)}
+
+
+@health.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+def metrics(st: State, who: Owner) -> Response:
+    """Prometheus metrics (whitney.service.metrics); with API keys on, any valid key may scrape."""
+    return Response(st.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
 
 @health.get("/healthz")
