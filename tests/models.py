@@ -38,3 +38,43 @@ def make_tiny_model(out: Path, kind: str, seed: int = 0) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(out)
     return out
+
+
+# General-path families (engine/general.py): each family's own extras, on the shared tiny geometry.
+GENERAL_KINDS = {
+    "mistral": dict(tie_word_embeddings=False, sliding_window=None),
+    "olmo2": dict(tie_word_embeddings=False),  # q/k norms over all heads, post-norms
+    "phi3": dict(tie_word_embeddings=False),  # fused qkv_proj and gate_up_proj
+    "smollm3": dict(tie_word_embeddings=True, no_rope_layers=[1, 0]),  # a layer without RoPE
+    "qwen3_5_text": dict(tie_word_embeddings=False, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16),  # Gated DeltaNet + gated full attention
+    # Qwen3.5 as it ships: the multimodal checkpoint (vision tower + text model, model_type qwen3_5), which
+    # AutoModelForCausalLM loads as its text model (Qwen3_5ForCausalLM)
+    "qwen3_5": dict(vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=48,
+                                       out_hidden_size=64)),
+}
+
+
+def make_tiny_general_model(out: Path, kind: str, seed: int = 0) -> Path:
+    """Write a 2-layer random model of a general-path family (a key of GENERAL_KINDS) to out; return out."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if kind == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+
+        text = dict(common, **GENERAL_KINDS["qwen3_5_text"])
+        model = Qwen3_5ForConditionalGeneration(AutoConfig.for_model(kind, text_config=text, **GENERAL_KINDS[kind]))
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **common, **GENERAL_KINDS[kind]))
+    with torch.no_grad():  # as make_tiny_model: informative logits and gradients
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.12)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(out)
+    return out

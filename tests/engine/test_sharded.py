@@ -285,3 +285,15 @@ def test_corrupt_or_mismatched_sharded_checkpoint_is_refused(sharded, tiny_qwen3
         load_sharded_state(engine, "ce", corrupt, with_optimizer=True)
     _equal(_state(engine, "ce")["weights"], before, "weights after a refused load")
     assert run.optimizer.step == 0
+
+
+def test_a_general_path_model_is_refused_clearly(tmp_path):
+    from tests.models import make_tiny_general_model
+
+    path = make_tiny_general_model(tmp_path / "mistral", "mistral")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(InvalidInput, match="general path, which is not sharded"):
+            ShardedEngine().load_model(str(path))
+    finally:
+        dist.destroy_process_group()

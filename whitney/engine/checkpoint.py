@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from whitney.engine.lora import Adapter, LoraConfig, load_adapter_weights
-from whitney.engine.model import UNEMBED, BaseModel, LAYER_PROJECTIONS, shown_name
+from whitney.engine.model import UNEMBED, BaseModel, shown_name
 from whitney.engine.optim import OptimizerState
 from whitney.errors import Conflict, InvalidInput, NotFound
 
@@ -163,8 +163,8 @@ def load_into(path: str | Path, adapter: Adapter, optimizer: OptimizerState | No
 
 
 def _short_names(adapter: Adapter) -> list[str]:
-    names = {name.rsplit(".", 1)[-1] for name in adapter.A}
-    return [n for n in (*LAYER_PROJECTIONS, UNEMBED) if n in names]
+    """PEFT target_modules: the adapted short names, in the order the adapter first has them."""
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in adapter.A))
 
 
 def export_peft(path: str | Path, adapter: Adapter, base: BaseModel) -> None:

@@ -76,19 +76,47 @@ class Adapter:
         return [(f"{name}.lora_{ab}", t) for name in self.A for ab, t in (("A", self.A[name]), ("B", self.B[name]))]
 
 
+def _fast_layout(linear_shapes: dict[str, tuple[int, int]]) -> bool:
+    """Whether the adaptable linears are the Llama layout of the fast path (llama, qwen2, qwen3), whose
+    order of paths (fixing the seeded init) is layer by layer in LAYER_PROJECTIONS order, lm_head last."""
+    layer_projections = tuple(f".{p}" for p in LAYER_PROJECTIONS.values())
+    return module_path(0, "q_proj") in linear_shapes and all(
+        p == UNEMBED or (p.startswith("model.layers.") and p.endswith(layer_projections)) for p in linear_shapes)
+
+
+def _short(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _kind(path: str) -> str | None:
+    """"attn" or "mlp" for a general-path module, from the names of the modules holding it, nearest first
+    (`self_attn`, `linear_attn`, `mlp`, `mlp.shared_expert`, ...; None: neither)."""
+    for parent in reversed(path.split(".")[:-1]):
+        if "attn" in parent or "attention" in parent or "mixer" in parent:
+            return "attn"
+        if "mlp" in parent or "feed_forward" in parent or "ffn" in parent:
+            return "mlp"
+    return None
+
+
 def adaptable_short_names(linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
     """Short module names a run may list in target_modules, checked against the model's real modules
-    (`linear_shapes`: every adaptable linear's full path -> (in, out), as `BaseModel.linear_shapes`)."""
-    present = [p for p in LAYER_PROJECTIONS if module_path(0, p) in linear_shapes]
+    (`linear_shapes`: every adaptable linear's full path -> (in, out), as `BaseModel.linear_shapes`).
+    A short name means every module whose path ends with it, as in PEFT's target_modules."""
+    if _fast_layout(linear_shapes):
+        present = [p for p in LAYER_PROJECTIONS if module_path(0, p) in linear_shapes]
+    else:  # the general path: the model's own names, in its module order
+        present = list(dict.fromkeys(_short(p) for p in linear_shapes if p != UNEMBED))
     if UNEMBED in linear_shapes:
         present.append(UNEMBED)
     return present
 
 
 def target_module_paths(linear_shapes: dict[str, tuple[int, int]], config: LoraConfig) -> list[str]:
-    """Full module paths to adapt (layer by layer, lm_head last), after validating the config against the
-    model's adaptable linears."""
+    """Full module paths to adapt (fast path: layer by layer; general path: in the model's module order;
+    lm_head last), after validating the config against the model's adaptable linears."""
     valid = adaptable_short_names(linear_shapes)
+    fast = _fast_layout(linear_shapes)
     if config.target_modules is not None:
         check(len(config.target_modules) > 0, "target_modules must name at least one module", field="target_modules")
         for name in config.target_modules:
@@ -96,12 +124,17 @@ def target_module_paths(linear_shapes: dict[str, tuple[int, int]], config: LoraC
                   field="target_modules")
         short = [n for n in valid if n in config.target_modules]
     else:
-        short = [n for n in valid if (config.train_attn and n in ATTN_PROJECTIONS)
-                 or (config.train_mlp and n in MLP_PROJECTIONS) or (config.train_unembed and n == UNEMBED)]
+        kinds = {} if fast else {_short(p): _kind(p) for p in reversed(linear_shapes) if p != UNEMBED}
+        short = [n for n in valid if (n == UNEMBED and config.train_unembed)
+                 or (config.train_attn and (n in ATTN_PROJECTIONS if fast else kinds.get(n) == "attn"))
+                 or (config.train_mlp and (n in MLP_PROJECTIONS if fast else kinds.get(n) == "mlp"))]
         check(len(short) > 0, "train_attn, train_mlp and train_unembed are all false: nothing to train",
               field="train_attn")
-    layers = next(i for i in itertools.count() if module_path(i, "q_proj") not in linear_shapes)
-    paths = [module_path(i, p) for i in range(layers) for p in short if p != UNEMBED]
+    if fast:
+        layers = next(i for i in itertools.count() if module_path(i, "q_proj") not in linear_shapes)
+        paths = [module_path(i, p) for i in range(layers) for p in short if p != UNEMBED]
+    else:
+        paths = [p for p in linear_shapes if p != UNEMBED and _short(p) in short]
     if UNEMBED in short:
         paths.append(UNEMBED)
     return paths

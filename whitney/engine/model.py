@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from whitney.errors import NotFound, InvalidInput
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # the hand-written fast path (transformer.py); see general.py
 # Adaptable projections of one decoder layer, by the Hugging Face module path inside the layer.
 LAYER_PROJECTIONS = {
     "q_proj": "self_attn.q_proj",
@@ -134,6 +134,10 @@ class BaseModel:
     layer_paths: list[dict[str, str]] = field(default_factory=list)
     # oneDNN-prepacked bfloat16 linear weights for passes without autograd; see transformer.prepacked
     packed: dict | None = None
+    # The general path (engine/general.py): the frozen Hugging Face module whose own layers run, and the
+    # path of its decoder stack. None on the fast path (llama, qwen2, qwen3), which runs `layers`.
+    hf: torch.nn.Module | None = None
+    hf_decoder: str = ""
 
     @property
     def device(self) -> torch.device:
@@ -214,11 +218,16 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_dir(name)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (ValueError, KeyError, OSError, TypeError) as e:  # unknown model type, not a causal LM, bad files
+        raise InvalidInput(f"base model {shown_name(name)!r} cannot be loaded as a Hugging Face causal LM: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", field="base_model") from None
     cfg = hf.config
-    if cfg.model_type not in SUPPORTED_TYPES:
-        raise InvalidInput(f"model type {cfg.model_type!r} is not supported (supported: {SUPPORTED_TYPES})",
-                           field="base_model")
+    if cfg.model_type not in SUPPORTED_TYPES:  # every other family runs its own modules (general path)
+        from whitney.engine.general import load_general
+
+        return load_general(name, path, hf, AutoTokenizer.from_pretrained(path), compute_dtype, device)
     rotary = hf.model.rotary_emb
     inv_freq = rotary.inv_freq.detach().float().clone().to(device)  # before any cast: RoPE tables stay exact
     # Frozen weights in the compute dtype on the device (ties kept); a no-op for float32 on the CPU.

@@ -22,6 +22,7 @@ from whitney.engine import checkpoint as ckpt
 from whitney.engine import opsd
 from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
 from whitney.engine.config import EngineConfig
+from whitney.engine.hf_sampler import HFSampler
 from whitney.engine.lora import Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
 from whitney.engine.losses import LossOutput, loss_spec
 from whitney.engine.model import (
@@ -346,8 +347,8 @@ class Engine:
         adapter, base = self.resolve_weights(run_id=run_id, version=version, checkpoint_path=checkpoint_path,
                                              base_model=base_model)
         if base.name not in self.samplers:
-            self.samplers[base.name] = Sampler(base, self.max_sequences, self.max_cached_tokens,
-                                               self.max_prefill_tokens)
+            kind = Sampler if base.hf is None else HFSampler  # the general path samples with the model's cache
+            self.samplers[base.name] = kind(base, self.max_sequences, self.max_cached_tokens, self.max_prefill_tokens)
         return self.samplers[base.name].submit(prompt, params, adapter)
 
     def sample_step(self) -> bool:

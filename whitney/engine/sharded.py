@@ -112,8 +112,12 @@ def shard_base(base: BaseModel, mesh: DeviceMesh, device: torch.device) -> BaseM
     """`base` (loaded on the CPU) with its decoder layers sharded over `mesh` and the rest on `device`.
 
     Takes the layers' weights over: once FSDP2 has copied this rank's shard of a weight, nothing
-    references the whole one, so it is freed.
+    references the whole one, so it is freed. The fast-path families only (llama, qwen2, qwen3): a model
+    of the general path runs its own Hugging Face modules, which are not sharded here.
     """
+    if base.hf is not None:
+        raise InvalidInput(f"base model {base.name!r} ({base.config.model_type}) runs on the general path, which "
+                           "is not sharded yet: serve it on one device (no shards)", field="base_model")
     root = _Layers(base.layers)
     base.layers = []
     for module in root.layers:

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from whitney.engine import general
 from whitney.engine.lora import RowGroups
 from whitney.engine.model import UNEMBED, BaseModel, LayerWeights
 
@@ -134,6 +135,9 @@ def forward_hidden(base: BaseModel, tokens: torch.Tensor, groups,
     Attention is causal, so right padding never reaches a real position: no padding mask is needed.
     With `kv_out`, each layer's keys and values [B, G, T, E] (after RoPE) are appended to it (prefill).
     """
+    if base.hf is not None:  # a family of the general path: the model's own modules
+        assert kv_out is None, "the general path keeps its own cache (general.step_hidden)"
+        return general.forward_hidden(base, tokens, groups)
     cfg = base.config
     B, T = tokens.shape
     cos, sin = rope_tables(base, torch.arange(T, device=tokens.device)[None].expand(B, T), base.compute_dtype)
