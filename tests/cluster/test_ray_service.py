@@ -125,23 +125,15 @@ def test_a_killed_worker_fails_its_operation_and_its_runs_resume_from_a_checkpoi
         srv.stop()
 
 
-def test_serve_command_on_a_ray_cluster(ray_cluster, tiny_llama, tiny_qwen3, tmp_path):
+def test_serve_command_on_a_ray_cluster(ray_cluster, tiny_llama, tiny_qwen3):
     """`whitney serve --backend ray --ray-address ...`: two models on two nodes, shown in capabilities."""
-    port = 18000 + os.getpid() % 1000
-    cmd = [sys.executable, "-m", "whitney.cli", "serve", "--backend", "ray", "--ray-address", ray_cluster.address,
-           "--model", tiny_llama, "--model", tiny_qwen3, "--samplers", "1", "--port", str(port),
-           "--data-dir", str(tmp_path / "data"), "--worker-resources", f"{tiny_llama}=cpus:1,node_a:1",
-           "--worker-resources", f"{Path(tiny_qwen3).name}=cpus:1,node_b:1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        line = proc.stdout.readline()
-        assert "Whitney is serving" in line, line + proc.stdout.read()
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/training/capabilities").json()["models"]
+    from bench.common import start_server
+
+    with start_server("--backend", "ray", "--ray-address", ray_cluster.address, "--model", tiny_qwen3,
+                      "--samplers", "1", "--worker-resources", f"{tiny_llama}=cpus:1,node_a:1",
+                      "--worker-resources", f"{Path(tiny_qwen3).name}=cpus:1,node_b:1", model=tiny_llama) as server:
+        models = httpx.get(f"{server.url}/v1/training/capabilities").json()["models"]
         assert [m["name"] for m in models] == [Path(tiny_llama).name, Path(tiny_qwen3).name]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
     bad = subprocess.run([sys.executable, "-m", "whitney.cli", "serve", "--samplers", "2"], capture_output=True,
                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert bad.returncode == 2 and "--backend ray" in bad.stderr
