@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.test_flow import LORA, expect, sft_batch
+from tests.service.test_flow import LORA, expect, sft_batch, until
 from whitney import Client
 
 
@@ -54,6 +54,7 @@ def test_metrics_count_what_the_server_did_and_holds(server):
 
     run.cancel()
     assert expect(http.get(f"/v1/operations/{waiting['id']}", params={"wait": 10}), 200)["status"] == "cancelled"
+    until(lambda: run.refresh()["status"] == "cancelled", 10, "the run's adapter freed")  # cancelling holds it
     m = scrape(http)
     assert value(m, "whitney_operations_total", kind="forward_backward", outcome="cancelled", code="cancelled") == 1
     assert value(m, "whitney_operation_run_seconds_count", kind="forward_backward") == 2, "it never started"
