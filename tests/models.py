@@ -12,16 +12,32 @@ import torch
 from whitney.engine.model import embedded_model_dir
 
 VOCAB = 49152
+# The tiny geometry every test model shares (2 layers, hidden 64).
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+            pad_token_id=2)
+
+
+def _scale_and_save(model, out: Path) -> Path:
+    """Scale the random init up (so logits are not all near-uniform and gradients are informative), then save
+    the model with the real SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.12)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(out)
+    return out
 
 
 def make_tiny_model(out: Path, kind: str, seed: int = 0) -> Path:
     """Write a 2-layer random model of `kind` ('llama' or 'qwen3') to out; return out."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    common = TINY
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True,
                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
@@ -30,14 +46,7 @@ def make_tiny_model(out: Path, kind: str, seed: int = 0) -> Path:
                                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     else:
         raise ValueError(kind)
-    # Random init is small; scale up so logits are not all near-uniform and gradients are informative.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.12)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(out)
-    return out
+    return _scale_and_save(model, out)
 
 
 # General-path families (engine/general.py): each family's own extras, on the shared tiny geometry.
@@ -58,12 +67,10 @@ GENERAL_KINDS = {
 
 def make_tiny_general_model(out: Path, kind: str, seed: int = 0) -> Path:
     """Write a 2-layer random model of a general-path family (a key of GENERAL_KINDS) to out; return out."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    common = TINY
     if kind == "qwen3_5":
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
 
@@ -71,10 +78,4 @@ def make_tiny_general_model(out: Path, kind: str, seed: int = 0) -> Path:
         model = Qwen3_5ForConditionalGeneration(AutoConfig.for_model(kind, text_config=text, **GENERAL_KINDS[kind]))
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **common, **GENERAL_KINDS[kind]))
-    with torch.no_grad():  # as make_tiny_model: informative logits and gradients
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.12)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(out)
-    return out
+    return _scale_and_save(model, out)

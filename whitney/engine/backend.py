@@ -88,10 +88,11 @@ def tensor_bytes(obj, seen: set[int] | None = None) -> int:
     return 0
 
 
-def adapter_bytes(info: ModelInfo, lora: LoraConfig, max_rank: int) -> int:
-    """Memory one run of this LoRA config holds on the model (validates the config: InvalidInput)."""
-    paths = validate_lora_config(lora, info.linear_shapes, max_rank)
-    return BYTES_PER_PARAMETER * lora.rank * sum(sum(info.linear_shapes[p]) for p in paths)
+def adapter_bytes(linear_shapes: dict[str, tuple[int, int]], lora: LoraConfig, max_rank: int) -> int:
+    """Memory one run of this LoRA config holds on a model with these adaptable linears (validates the
+    config: InvalidInput)."""
+    paths = validate_lora_config(lora, linear_shapes, max_rank)
+    return BYTES_PER_PARAMETER * lora.rank * sum(sum(linear_shapes[p]) for p in paths)
 
 
 class WorkerLost(RuntimeError):
@@ -220,8 +221,7 @@ class InProcessBackend:
         return dict(self._info)
 
     def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int:
-        return adapter_bytes(self._info.get(base_model) or ModelInfo.of(self.engine.load_model(base_model),
-                                                                        base_model), lora, self.engine.max_lora_rank)
+        return adapter_bytes(self.engine.load_model(base_model).linear_shapes, lora, self.engine.max_lora_rank)
 
     def validate(self, request: ForwardRequest, backward: bool) -> int:
         return self.engine.validate(request, backward)

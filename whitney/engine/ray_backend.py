@@ -236,7 +236,7 @@ class RayBackend:
         return dict(self._info)
 
     def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int:
-        return adapter_bytes(self._info[self._model(base_model)], lora, self.config.max_lora_rank)
+        return adapter_bytes(self._info[self._model(base_model)].linear_shapes, lora, self.config.max_lora_rank)
 
     def validate(self, request: ForwardRequest, backward: bool) -> int:
         if request.run_id is None:

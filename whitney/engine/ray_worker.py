@@ -38,12 +38,13 @@ class Placement:
         for part in filter(None, spec.split(",")):
             key, sep, amount = part.partition(":")
             try:
-                out[key.strip()] = float(amount)
+                value = float(amount)
             except ValueError:
-                sep = ""
-            if not sep or not key.strip() or out[key.strip()] < 0:
+                value = -1.0
+            if not sep or not key.strip() or value < 0:
                 raise InvalidInput(f"worker resources {spec!r}: each item is NAME:AMOUNT with AMOUNT >= 0 "
                                    "(cpus, gpus or a custom Ray resource)", field="worker_resources")
+            out[key.strip()] = value
         return out
 
 
