@@ -25,7 +25,7 @@ def _scale_and_save(model, out: Path) -> Path:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 or ".experts." in name:  # matrices, and the stacked [E, ., .] weights of MoE experts
                 p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.12)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(out)
@@ -58,11 +58,39 @@ GENERAL_KINDS = {
     "qwen3_5_text": dict(tie_word_embeddings=False, head_dim=16, layer_types=["linear_attention", "full_attention"],
                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                          linear_value_head_dim=16),  # Gated DeltaNet + gated full attention
+    # MoE: 4 experts, top-2, as stacked 3D expert weights (engine/experts.py)
+    "qwen3_moe": dict(tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen3_5_moe_text": dict(tie_word_embeddings=False, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48),  # + a shared expert (nn.Linear) with its gate
+    # sliding-window layers (window 4, so the test sequences reach past it), scaled embeddings, tied head,
+    # pre- and post-feedforward norms
+    "gemma3_text": dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                        query_pre_attn_scalar=16),
+    # attention sinks, sliding window 4, YaRN RoPE, biased q/k/v/o, experts [E, in, out] with biases and
+    # interleaved gate/up columns, its own clamped SwiGLU
+    "gpt_oss": dict(tie_word_embeddings=False, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 16,
+                                     "rope_theta": 150000.0}),
     # Qwen3.5 as it ships: the multimodal checkpoint (vision tower + text model, model_type qwen3_5), which
-    # AutoModelForCausalLM loads as its text model (Qwen3_5ForCausalLM)
+    # AutoModelForCausalLM loads as its text model (Qwen3_5ForCausalLM); the same for Qwen3.5-MoE
     "qwen3_5": dict(vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=48,
                                        out_hidden_size=64)),
+    "qwen3_5_moe": dict(vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=48,
+                                           out_hidden_size=64)),
+    # Gemma 3 as it ships (4B and up): SigLIP + text model, which AutoModelForCausalLM loads whole
+    # (Gemma3ForConditionalGeneration); its decoder is model.language_model
+    "gemma3": dict(vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14), mm_tokens_per_image=4),
 }
+# Multimodal checkpoints: (the kind of their text model, the full model's class in transformers)
+COMPOSITE_KINDS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForConditionalGeneration"),
+                   "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration"),
+                   "gemma3": ("gemma3_text", "Gemma3ForConditionalGeneration")}
 
 
 def make_tiny_general_model(out: Path, kind: str, seed: int = 0) -> Path:
@@ -71,11 +99,12 @@ def make_tiny_general_model(out: Path, kind: str, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     common = TINY
-    if kind == "qwen3_5":
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+    if kind in COMPOSITE_KINDS:
+        import transformers
 
-        text = dict(common, **GENERAL_KINDS["qwen3_5_text"])
-        model = Qwen3_5ForConditionalGeneration(AutoConfig.for_model(kind, text_config=text, **GENERAL_KINDS[kind]))
+        text_kind, full = COMPOSITE_KINDS[kind]
+        text = dict(common, **GENERAL_KINDS[text_kind])
+        model = getattr(transformers, full)(AutoConfig.for_model(kind, text_config=text, **GENERAL_KINDS[kind]))
     else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **common, **GENERAL_KINDS[kind]))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **dict(common, **GENERAL_KINDS[kind])))
     return _scale_and_save(model, out)

@@ -162,20 +162,53 @@ def load_into(path: str | Path, adapter: Adapter, optimizer: OptimizerState | No
     return optimizer
 
 
-def _short_names(adapter: Adapter) -> list[str]:
-    """PEFT target_modules: the adapted short names, in the order the adapter first has them."""
-    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in adapter.A))
+def _is_expert(adapter: Adapter, name: str) -> bool:
+    return adapter.A[name].dim() == 3  # A [E, r, in] of a stacked expert projection (engine/experts.py)
+
+
+def _short_names(adapter: Adapter, experts: bool) -> list[str]:
+    """PEFT target_modules (the adapted nn.Linear short names) or, with `experts`, target_parameters (the
+    adapted expert projections as `experts.gate_up_proj`), in the order the adapter first has them."""
+    return list(dict.fromkeys(".".join(name.split(".")[-2:]) if experts else name.rsplit(".", 1)[-1]
+                              for name in adapter.A if _is_expert(adapter, name) == experts))
+
+
+def _target_modules(adapter: Adapter, base: BaseModel) -> list[str]:
+    """PEFT target_modules: the short names, or the full module paths where a short name would also match a
+    module the run does not adapt (a multimodal checkpoint's vision tower has its own `q_proj`)."""
+    short = _short_names(adapter, experts=False)
+    if base.hf is None:
+        return short
+    linears = [n for n in adapter.A if not _is_expert(adapter, n)]
+    matched = [n for n, _ in base.hf.named_modules() if n.rsplit(".", 1)[-1] in short]
+    return short if sorted(matched) == sorted(linears) else linears
+
+
+def _peft_expert_tensors(adapter: Adapter, name: str, wrappers_outside: int) -> dict[str, torch.Tensor]:
+    """One expert projection in PEFT's `target_parameters` layout (peft 0.21 lora.ParamWrapper): lora_A
+    [E * r, in] with row e * r + k our A[e, k]; lora_B [out, r * E] with column k * E + e our B[e, :, k]
+    (PEFT reshapes it to [out, r, E]). PEFT wraps the experts module once per adapted parameter, in the
+    module's parameter order, so a parameter with `wrappers_outside` adapted after it sits that many
+    `base_layer`s deep."""
+    module, _ = name.rsplit(".", 1)
+    prefix = f"base_model.model.{module}." + "base_layer." * wrappers_outside
+    a, b = adapter.A[name].detach().cpu(), adapter.B[name].detach().cpu()  # [E, r, in], [E, out, r]
+    experts, rank, fan_in = a.shape
+    return {f"{prefix}lora_A.weight": a.reshape(experts * rank, fan_in).contiguous(),
+            f"{prefix}lora_B.weight": b.permute(1, 2, 0).reshape(b.shape[1], rank * experts).contiguous()}
 
 
 def export_peft(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
-    """A PEFT LoRA adapter directory that peft.PeftModel.from_pretrained loads onto the base model."""
+    """A PEFT LoRA adapter directory that peft.PeftModel.from_pretrained loads onto the base model. Expert
+    projections of MoE layers are PEFT `target_parameters` (peft >= 0.17)."""
+    expert_params = _short_names(adapter, experts=True)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": shown_name(base.name),  # a download never shows a server path
         "r": adapter.config.rank,
         "lora_alpha": adapter.config.alpha,
-        "target_modules": _short_names(adapter),
+        "target_modules": _target_modules(adapter, base),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -185,8 +218,15 @@ def export_peft(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
         "inference_mode": True,
         "modules_to_save": None,
     }
-    tensors = {}
-    for name in adapter.A:
+    if expert_params:
+        config["target_parameters"] = expert_params
+    tensors, names = {}, list(adapter.A)
+    for name in names:
+        if _is_expert(adapter, name):  # adapter paths keep each module's parameter order
+            module = name.rsplit(".", 1)[0]
+            later = [n for n in names[names.index(name) + 1:] if n.rsplit(".", 1)[0] == module]
+            tensors |= _peft_expert_tensors(adapter, name, len(later))
+            continue
         tensors[f"base_model.model.{name}.lora_A.weight"] = adapter.A[name].detach().cpu().contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = adapter.B[name].detach().cpu().contiguous()
     with atomic_dir(path) as tmp:
@@ -199,6 +239,8 @@ def export_merged(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
     (on the CPU, in float32, whatever the engine's device and dtype).
 
     An adapted unembedding of a model with tied embeddings is untied, so the input embedding stays the base's.
+    An expert projection gets each expert's delta, in its parameter's layout ([E, out, in], or [E, in, out]
+    when its module `is_transposed`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -209,8 +251,14 @@ def export_merged(path: str | Path, adapter: Adapter, base: BaseModel) -> None:
             model.config.tie_word_embeddings = False
             model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         for name in adapter.A:
-            weight = modules[name].weight
-            weight += adapter.scale * (adapter.B[name].detach().cpu() @ adapter.A[name].detach().cpu())
+            delta = adapter.scale * (adapter.B[name].detach().cpu() @ adapter.A[name].detach().cpu())  # [(E,) out, in]
+            if _is_expert(adapter, name):
+                module, param = name.rsplit(".", 1)
+                weight = getattr(modules[module], param)
+                weight += delta.transpose(1, 2) if modules[module].is_transposed else delta
+            else:
+                weight = modules[name].weight
+                weight += delta
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
         base.tokenizer.save_pretrained(tmp)

@@ -1,8 +1,10 @@
 """Per-run LoRA adapters over one shared frozen base, applied to row groups of a mixed batch.
 
 An adapter is plain data: A [r, in] and B [out, r] per adapted module, keyed by the module's
-Hugging Face path. Which rows of a batch use which adapter is data too (`RowGroups`), never a
-"current adapter" attribute on the model, so runs sharing the base cannot see each other.
+Hugging Face path (per expert, A [E, r, in] and B [E, out, r], for the stacked expert projections of a
+MoE layer, keyed by the parameter's path; see experts.py). Which rows of a batch use which adapter is
+data too (`RowGroups`), never a "current adapter" attribute on the model, so runs sharing the base
+cannot see each other.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class LoraConfig:
 
 @dataclass
 class Adapter:
-    """One run's LoRA weights. A[name] is [r, in], B[name] is [out, r]; delta W = scale * B @ A."""
+    """One run's LoRA weights. A[name] is [r, in], B[name] is [out, r]; delta W = scale * B @ A (expert
+    projections: A[name] [E, r, in], B[name] [E, out, r], one delta per expert)."""
 
     config: LoraConfig
     A: dict[str, torch.Tensor]
@@ -84,8 +87,17 @@ def _fast_layout(linear_shapes: dict[str, tuple[int, int]]) -> bool:
         p == UNEMBED or (p.startswith("model.layers.") and p.endswith(layer_projections)) for p in linear_shapes)
 
 
-def _short(path: str) -> str:
-    return path.rsplit(".", 1)[-1]
+def _short(path: str, shape: tuple[int, ...]) -> str:
+    """The short name of an adaptable path: its last component (`q_proj`), and for the stacked expert
+    projections of a MoE layer (shape (in, out, E)) the last two (`experts.gate_up_proj`), which keeps them
+    apart from a shared expert's nn.Linear `down_proj`."""
+    return ".".join(path.split(".")[-2:]) if len(shape) == 3 else path.rsplit(".", 1)[-1]
+
+
+def lora_numel(shape: tuple[int, ...], rank: int) -> int:
+    """Parameters of one module's A and B at `rank`: shape is (in, out), or (in, out, E) for E experts."""
+    fan_in, fan_out, *experts = shape
+    return rank * (fan_in + fan_out) * (experts[0] if experts else 1)
 
 
 def _kind(path: str) -> str | None:
@@ -101,12 +113,13 @@ def _kind(path: str) -> str | None:
 
 def adaptable_short_names(linear_shapes: dict[str, tuple[int, int]]) -> list[str]:
     """Short module names a run may list in target_modules, checked against the model's real modules
-    (`linear_shapes`: every adaptable linear's full path -> (in, out), as `BaseModel.linear_shapes`).
+    (`linear_shapes`: every adaptable linear's full path -> (in, out), and every stacked expert
+    projection's -> (in, out, E), as `BaseModel.linear_shapes`).
     A short name means every module whose path ends with it, as in PEFT's target_modules."""
     if _fast_layout(linear_shapes):
         present = [p for p in LAYER_PROJECTIONS if module_path(0, p) in linear_shapes]
     else:  # the general path: the model's own names, in its module order
-        present = list(dict.fromkeys(_short(p) for p in linear_shapes if p != UNEMBED))
+        present = list(dict.fromkeys(_short(p, s) for p, s in linear_shapes.items() if p != UNEMBED))
     if UNEMBED in linear_shapes:
         present.append(UNEMBED)
     return present
@@ -124,7 +137,8 @@ def target_module_paths(linear_shapes: dict[str, tuple[int, int]], config: LoraC
                   field="target_modules")
         short = [n for n in valid if n in config.target_modules]
     else:
-        kinds = {} if fast else {_short(p): _kind(p) for p in reversed(linear_shapes) if p != UNEMBED}
+        kinds = {} if fast else {_short(p, s): _kind(p)
+                                 for p, s in reversed(linear_shapes.items()) if p != UNEMBED}
         short = [n for n in valid if (n == UNEMBED and config.train_unembed)
                  or (config.train_attn and (n in ATTN_PROJECTIONS if fast else kinds.get(n) == "attn"))
                  or (config.train_mlp and (n in MLP_PROJECTIONS if fast else kinds.get(n) == "mlp"))]
@@ -134,7 +148,7 @@ def target_module_paths(linear_shapes: dict[str, tuple[int, int]], config: LoraC
         layers = next(i for i in itertools.count() if module_path(i, "q_proj") not in linear_shapes)
         paths = [module_path(i, p) for i in range(layers) for p in short if p != UNEMBED]
     else:
-        paths = [p for p in linear_shapes if p != UNEMBED and _short(p) in short]
+        paths = [p for p, s in linear_shapes.items() if p != UNEMBED and _short(p, s) in short]
     if UNEMBED in short:
         paths.append(UNEMBED)
     return paths
@@ -157,17 +171,18 @@ def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MA
     """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) from `config.seed` (PEFT's kaiming default), B = 0.
 
     B = 0 makes a new run compute exactly the base model. The same seed gives the same A on every device:
-    A is drawn on the CPU, then moved to the base model's device.
+    A is drawn on the CPU, then moved to the base model's device. An expert projection gets one A and B per
+    expert (A [E, r, in], B [E, out, r]).
     """
     paths = validate_lora_config(config, base.linear_shapes, max_rank)
     gen = torch.Generator(device="cpu").manual_seed(config.seed)
     A, B = {}, {}
     for path in paths:
-        fan_in, fan_out = base.linear_shapes[path]
+        fan_in, fan_out, *experts = base.linear_shapes[path]  # experts: [E] for an expert projection, else []
         bound = 1.0 / math.sqrt(fan_in)
-        a = torch.empty(config.rank, fan_in, device="cpu").uniform_(-bound, bound, generator=gen)
+        a = torch.empty(*experts, config.rank, fan_in, device="cpu").uniform_(-bound, bound, generator=gen)
         A[path] = a.to(base.device).requires_grad_(True)
-        B[path] = torch.zeros(fan_out, config.rank, device=base.device).requires_grad_(True)
+        B[path] = torch.zeros(*experts, fan_out, config.rank, device=base.device).requires_grad_(True)
     return Adapter(config, A, B)
 
 
@@ -243,8 +258,9 @@ class RowGroups:
         return RowGroups([(starts[s], starts[e], a) for s, e, a in self.bounds])
 
 
-def _delta(adapter: Adapter, name: str, x: torch.Tensor) -> torch.Tensor:
+def _delta(adapter: Adapter, name: str, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
     """scale * (x @ A^T) @ B^T for rows x [R, ..., in] -> [R, ..., out] (x's dtype): two thin matmuls, never B @ A.
+    With `expert`, A and B are that expert's of an expert projection (A[name][expert], B[name][expert]).
 
     On the CPU, up to FLOAT32_DELTA_ROWS rows the matmuls run in float32 whatever the compute dtype: that
     few rows make them overhead-bound, and CPU bfloat16 kernels are 2-9x slower there (measured 13 vs
@@ -253,6 +269,6 @@ def _delta(adapter: Adapter, name: str, x: torch.Tensor) -> torch.Tensor:
     """
     rows = x.numel() // x.shape[-1]
     dt = torch.float32 if rows <= FLOAT32_DELTA_ROWS and x.device.type == "cpu" else x.dtype
-    a = adapter.A[name].to(dt)  # [r, in]
-    b = adapter.B[name].to(dt)  # [out, r]
+    a = (adapter.A[name] if expert is None else adapter.A[name][expert]).to(dt)  # [r, in]
+    b = (adapter.B[name] if expert is None else adapter.B[name][expert]).to(dt)  # [out, r]
     return (((x.to(dt) @ a.T) * adapter.scale) @ b.T).to(x.dtype)  # scale the thin [R, r] product
