@@ -15,6 +15,7 @@ Notation: l_t learner log-prob, q_t old_logprobs, r_t = exp(l_t - q_t), A_t adva
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -318,6 +319,73 @@ def test_dro_value_and_gradient(rl, config, beta):
     torch.testing.assert_close(out.logprobs, l.detach())
 
 
+# ---- gspo -----------------------------------------------------------------------------------------
+
+# Three datums of the 16 RL positions (sizes 6, 5, 5); the mask leaves some positions of each unmarked
+# (a prompt), so the sequence ratio is not the mean over the whole datum.
+GSPO_ROWS = [0] * 6 + [1] * 5 + [2] * 5
+GSPO_MASK = [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0]
+
+
+def gspo_reference(values, rows, mask, low: float, high: float):
+    """Per datum b: s_b = exp(mean over marked t of l_t - q_t); token t of b: -min(s_b A_t, clip(s_b) A_t).
+    s_t = sg(s_b) exp(l_t - sg(l_t)), so dL/dl_t = -s_b A_t where the unclipped term is the min, else 0."""
+    log_s = {}
+    for b in set(rows):
+        marked = [lt - qt for (lt, qt, _), r, m in zip(values, rows, mask) if r == b and m]
+        log_s[b] = math.fsum(marked) / len(marked)
+    tokens, grads, clipped = [], [], 0
+    for (lt, qt, at), b in zip(values, rows):
+        s = math.exp(log_s[b])
+        c = min(max(s, low), high)
+        tokens.append(-min(s * at, c * at))
+        unclipped = s * at <= c * at
+        grads.append(-s * at if unclipped else 0.0)
+        clipped += not unclipped
+    return tokens, grads, clipped / len(values), {b: math.exp(v) for b, v in log_s.items()}
+
+
+@pytest.mark.parametrize("config,low,high", [
+    ({}, 0.8, 1.2),
+    ({"clip_low": 0.05, "clip_high": 0.1}, 0.95, 1.1),
+    ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}, 0.9, 1.05),
+])
+def test_gspo_value_and_gradient(rl, config, low, high):
+    l, inputs = rl
+    inputs = {**inputs, "sequence_ratio_mask": f32(GSPO_MASK), "datum_index": torch.tensor(GSPO_ROWS)}
+    out, grad = run_loss("gspo", config, l, inputs)
+    ref_tokens, ref_grad, frac, s = gspo_reference(rl_values(l, inputs), GSPO_ROWS, GSPO_MASK, low, high)
+    check_against(out, grad, ref_tokens, ref_grad, l)
+    assert out.metrics["clipped_fraction:mean"] == pytest.approx(frac)
+    torch.testing.assert_close(out.logprobs, l.detach())
+    # The datums really differ: one sequence ratio inside the range, others outside it.
+    inside = [low < v < high for v in s.values()]
+    assert any(inside) and not all(inside), s
+
+
+def test_gspo_ratio_is_one_per_datum_and_its_gradient_stops_at_the_mean(rl):
+    """Every position of a datum carries the same ratio (unmarked positions too), and the gradient is
+    NOT the one through the sequence mean (GSPO-token's stop-gradient)."""
+    l, inputs = rl
+    inputs = {**inputs, "sequence_ratio_mask": f32(GSPO_MASK), "datum_index": torch.tensor(GSPO_ROWS)}
+    out, grad = run_loss("gspo", {"clip_low_threshold": 0.0, "clip_high_threshold": 100.0}, l, inputs)
+    adv = inputs["advantages"].double()
+    ratio = out.elementwise.double() / -adv  # unclipped: per-token loss = -s_b A_t
+    for b in range(3):
+        on = [i for i, r in enumerate(GSPO_ROWS) if r == b and ADVS[i] != 0]
+        assert max(ratio[on]) - min(ratio[on]) < 1e-5 * float(ratio[on].abs().max())
+    # Through the mean: d/dl_t [exp(mean(l - q)) A] adds s_b * sum_u A_u / |M| on marked positions.
+    lp = l.detach().double().requires_grad_(True)
+    q = inputs["old_logprobs"].double()
+    rows, mask = torch.tensor(GSPO_ROWS), torch.tensor(GSPO_MASK, dtype=torch.bool)
+    naive = torch.zeros((), dtype=torch.float64)
+    for b in range(3):
+        sel = rows == b
+        naive = naive - (torch.exp((lp - q)[sel & mask].mean()) * adv[sel]).sum()
+    (naive_grad,) = torch.autograd.grad(naive, lp)
+    assert (grad.double() - naive_grad).abs().max() > 1e-2
+
+
 # ---- config and name validation -------------------------------------------------------------------
 
 
@@ -335,6 +403,8 @@ def test_unknown_loss_name_is_invalid_input():
     ("ppo", {"clip": 0.2}, "clip"),
     ("cispo", {"clip_low": 0.2}, "clip_low"),
     ("dro", {"clip_high": 0.2}, "clip_high"),
+    ("gspo", {"eps_max": 2.0}, "eps_max"),
+    ("opsd", {"beta": 0.1}, "beta"),
 ])
 def test_unknown_config_key_is_invalid_input(name, config, key):
     with pytest.raises(InvalidInput) as e:
@@ -365,6 +435,8 @@ def test_unknown_config_key_is_invalid_input(name, config, key):
     ("ppo", {"clip_low": None}, "clip_low"),
     ("ppo", {"clip_low_threshold": None, "clip_high_threshold": 1.3}, "clip_low_threshold"),
     ("cispo", {"eps_max": None}, "eps_max"),
+    ("gspo", {"clip_high_threshold": 0.99}, "clip_high_threshold"),
+    ("gspo", {"clip_low": float("inf")}, "clip_low"),
 ])
 def test_out_of_range_config_is_invalid_input(name, config, key):
     with pytest.raises(InvalidInput) as e:
@@ -377,6 +449,7 @@ def test_out_of_range_config_is_invalid_input(name, config, key):
     ("ppo", {"clip_high": 0.2, "clip_high_threshold": 1.2}, "loss_config.clip_high_threshold"),
     ("ppo", {"clip_low": 0.2, "clip_high_threshold": 1.2}, "loss_config.clip_high_threshold"),
     ("cispo", {"eps_max": 2.0, "clip_high_threshold": 1.3}, "loss_config.clip_high_threshold"),
+    ("gspo", {"clip_high": 0.2, "clip_low_threshold": 0.9}, "loss_config.clip_low_threshold"),
 ])
 def test_both_clip_forms_is_invalid_input(name, config, field):
     with pytest.raises(InvalidInput) as e:
@@ -391,7 +464,33 @@ def test_config_parsers_fill_defaults():
     assert LOSSES["dro"].config({}) == {"beta": 0.05}
     assert LOSSES["cross_entropy"].config({}) == {}
     assert LOSSES["importance_sampling"].config({}) == {}
-    assert set(losses.LOSS_NAMES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "opsd"}
+    assert LOSSES["gspo"].config({}) == {"low": pytest.approx(0.8), "high": pytest.approx(1.2)}
+    assert LOSSES["gspo"].config({"clip_high_threshold": 1.01}) == {"low": 0.8, "high": 1.01}
+    assert set(losses.LOSS_NAMES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "opsd",
+                                      "custom"}
+
+
+def test_the_table_declares_each_loss_once_as_plain_data():
+    """One entry per name (opsd included); its description is JSON; every default passes its own rule."""
+    assert all(name == spec.name for name, spec in LOSSES.items())
+    described = json.loads(json.dumps(losses.describe()))
+    assert set(described) == set(LOSSES)
+    assert described["opsd"]["passes"] == ["teacher"] and described["gspo"]["passes"] == []
+    assert described["gspo"]["required_inputs"] == ["advantages", "old_logprobs", "sequence_ratio_mask",
+                                                    "target_tokens"]
+    assert described["cross_entropy"]["optional_inputs"] == ["weights"]
+    assert described["cispo"]["tinker_defaults"] == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    for name, spec in LOSSES.items():
+        for key, default in described[name]["config"].items():
+            spec.config({key: default})  # does not raise
+        assert set(spec.required) <= set(spec.inputs)
+
+
+@pytest.mark.parametrize("name", ["stable_reinforce"])
+def test_sdk_losses_not_served_say_so(name):
+    with pytest.raises(InvalidInput) as e:
+        loss_spec(name)
+    assert e.value.field == "loss_fn" and "not served" in e.value.message and "gspo" in e.value.message
 
 
 # ---- engine level ---------------------------------------------------------------------------------
@@ -453,6 +552,10 @@ def torch_reference(name: str, cfg: dict, lp: torch.Tensor, x: dict) -> torch.Te
         return -r.detach().clamp(cfg["low"], cfg["high"]) * adv * lp
     if name == "dro":
         return -(lp * adv - cfg["beta"] / 2 * (lp - q) ** 2)
+    if name == "gspo":  # one datum: its ratio's value from the marked positions, each l_t's own gradient
+        log_s = (lp.detach() - q)[x["sequence_ratio_mask"] != 0].mean()
+        s = torch.exp(log_s + lp - lp.detach())
+        return -torch.minimum(s * adv, s.clamp(cfg["low"], cfg["high"]) * adv)
     raise AssertionError(name)
 
 
@@ -465,6 +568,7 @@ ENGINE_CASES = [
     ("llama", "ppo", {"clip_low_threshold": 0.6, "clip_high_threshold": 1.4}, {"low": 0.6, "high": 1.4}),
     ("llama", "cispo", {"eps_max": 1.3}, {"low": 0.0, "high": 1.3}),
     ("llama", "dro", {"beta": 0.3}, {"beta": 0.3}),
+    ("llama", "gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, {"low": 0.9, "high": 1.1}),
     ("qwen3", "cross_entropy", {}, {}),
     ("qwen3", "ppo", {}, {"low": 0.8, "high": 1.2}),
 ]
@@ -509,6 +613,9 @@ def test_engine_gradient_matches_float64_reference(engine, request, kind, case, 
             inputs64.append({"targets": torch.tensor(t),
                              "old_logprobs": torch.tensor(q, dtype=torch.float32).double(),
                              "advantages": torch.tensor(a, dtype=torch.float32).double()})
+            if name == "gspo":  # the sequence ratio over all but the first (prompt) position
+                data[-1].loss_inputs["sequence_ratio_mask"] = [0.0] + [1.0] * (len(s) - 1)
+                inputs64[-1]["sequence_ratio_mask"] = torch.tensor([0.0] + [1.0] * (len(s) - 1))
     res = engine.forward_backward(rid, data, loss_fn=name, loss_config=config)
 
     model = hf64(tiny_model)
@@ -543,4 +650,16 @@ def test_engine_rejects_unknown_loss_and_bad_config_without_gradients(engine, ti
             engine.forward_backward(rid, [datum], loss_fn="ppo", loss_config=config)
         assert e.value.field == field
     assert all(float(g.abs().sum()) == 0 for g in run.grads.values())
+    # gspo: a datum whose sequence_ratio_mask marks nothing has no sequence ratio.
+    marked = Datum([1, 2, 3], {**datum.loss_inputs, "sequence_ratio_mask": [0.0, 1.0, 1.0]})
+    unmarked = Datum([1, 2, 3], {**datum.loss_inputs, "sequence_ratio_mask": [0.0, 0.0, 0.0]})
+    with pytest.raises(InvalidInput) as e:
+        engine.forward_backward(rid, [marked, unmarked], loss_fn="gspo")
+    assert (e.value.field, e.value.datum_index) == ("sequence_ratio_mask", 1)
+    with pytest.raises(InvalidInput) as e:
+        engine.forward_backward(rid, [datum], loss_fn="gspo")
+    assert e.value.field == "sequence_ratio_mask" and "required" in e.value.message
+    assert not run.grads or all(float(g.abs().sum()) == 0 for g in run.grads.values())
+    engine.forward_backward(rid, [marked], loss_fn="gspo")
+    assert any(float(g.abs().sum()) > 0 for g in run.grads.values())
     engine.delete_run(rid)

@@ -114,6 +114,39 @@ def test_objective_value_and_gradient(ce_coef, kl_coef):
     assert total > 0 and metrics["opsd_kl"] > 0 and metrics["ce_loss"] > 0  # the reference is not vacuous
 
 
+def test_table_entry_on_the_engine_contract_equals_the_row_objective():
+    """What the engine hands the table's entry (the rows concatenated, datum_index, kl_index, [P, V] log-probs)
+    gives the same loss, per-token loss, metrics and gradients as `objective` on the rows, and against the
+    float64 reference. Row 2 has no KL pair, row 1 no CE token."""
+    rows = make_rows(seed=3)
+    config = opsd.parse_config({"ce_coef": 0.7, "kl_coef": 1.3})
+    assert loss_spec("opsd").fn is opsd.loss and loss_spec("opsd").teacher == opsd.TEACHER
+    lengths = [r[0].numel() for r in rows]
+    starts = [sum(lengths[:i]) for i in range(len(rows))]
+    inputs = {"datum_index": torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths)),
+              "loss_mask": torch.cat([r[3] for r in rows]),
+              "kl_index": torch.cat([r[4] + s for r, s in zip(rows, starts)]),
+              "student_kl": torch.cat([torch.log_softmax(r[1], -1) for r in rows]),
+              "teacher_kl": torch.cat([r[2] for r in rows])}
+    lp = torch.cat([r[0] for r in rows])
+    out = opsd.loss(lp, inputs, config)
+    ref = opsd.objective([r[0] for r in rows], [torch.log_softmax(r[1], -1) for r in rows], [r[2] for r in rows],
+                         [r[3] for r in rows], [r[4] for r in rows], config)
+    total, per_token, _, _, metrics = objective_reference(rows, 0.7, 1.3)
+    assert float(out.loss.detach()) == pytest.approx(total, rel=1e-5)
+    torch.testing.assert_close(out.elementwise, ref.elementwise)
+    torch.testing.assert_close(out.elementwise.double(), torch.tensor(per_token, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    assert out.metrics == pytest.approx(ref.metrics) and out.mean_counts == ref.mean_counts
+    leaves = [r[0] for r in rows] + [r[1] for r in rows]
+    got = torch.autograd.grad(out.loss, leaves, allow_unused=True)
+    want = torch.autograd.grad(ref.loss, leaves, allow_unused=True)
+    for g, w, leaf in zip(got, want, leaves):  # row 1's lp takes no gradient (no CE token)
+        zero = torch.zeros_like(leaf)
+        torch.testing.assert_close(zero if g is None else g, zero if w is None else w)
+    assert sum(g is not None and g.numel() > 0 and float(g.abs().max()) > 0 for g in got) == 4  # lp 0, 2; z 0, 1
+
+
 def test_objective_is_a_sum_of_row_means_not_a_token_mean():
     """Duplicating a row doubles the loss; a row with twice the CE tokens of equal l has the same CE term."""
     rows = make_rows(seed=1)

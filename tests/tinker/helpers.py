@@ -20,6 +20,8 @@ def arrays(loss_fn: str, rng_seed: int = 0) -> list[dict[str, np.ndarray]]:
         else:
             d["logprobs"] = rng.uniform(-11.5, -10.0, n).astype(np.float32)
             d["advantages"] = rng.normal(0.0, 1.0, n).astype(np.float32)
+        if loss_fn == "gspo":  # the sequence ratio over all but the first (prompt) position
+            d["sequence_ratio_mask"] = np.array([0.0] + [1.0] * (n - 1), dtype=np.float32)
         out.append(d)
     return out
 

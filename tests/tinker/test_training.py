@@ -56,6 +56,8 @@ LOSSES = [
     ("cispo", None),
     ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}),
     ("dro", {"beta": 0.3}),
+    ("gspo", None),
+    ("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
 ]
 
 

@@ -11,7 +11,8 @@ Public API:
   ForwardResult          loss (summed), metrics, per-datum log-probs and per-token loss
   merge_results          one request's result from its micro-batches' results
   LoraConfig, AdamParams run and optimizer hyperparameters
-  LOSS_NAMES             cross_entropy, importance_sampling, ppo, cispo, dro, opsd
+  LOSS_NAMES             cross_entropy, importance_sampling, ppo, cispo, dro, gspo, opsd, custom (a graph)
+  describe_losses        the loss table (losses.py) as plain data: inputs, config keys and defaults
 
 Shape legend used throughout: B rows (datums) of a batch, T padded positions, N tokens of a datum,
 K soft-target candidates per position, M teacher-stream tokens (opsd), D hidden size, V vocabulary,
@@ -21,12 +22,13 @@ r LoRA rank. Losses are summed over tokens, never averaged (opsd: summed over ro
 from whitney.engine.backend import Backend, EngineConfig, Failure, InProcessBackend, ModelInfo, Weights
 from whitney.engine.datum import Datum, TensorInput
 from whitney.engine.lora import LoraConfig
-from whitney.engine.losses import LOSS_CONFIG_KEYS, LOSS_NAMES
+from whitney.engine.losses import LOSS_NAMES
+from whitney.engine.losses import describe as describe_losses
 from whitney.engine.model import DEFAULT_MODEL
 from whitney.engine.optim import AdamParams
 from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, merge_results
 from whitney.engine.runs import Engine
 
 __all__ = ["AdamParams", "Backend", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "EngineConfig", "Failure",
-           "ForwardRequest", "ForwardResult", "InProcessBackend", "LOSS_CONFIG_KEYS", "LOSS_NAMES", "LoraConfig",
-           "ModelInfo", "TensorInput", "Weights", "merge_results"]
+           "ForwardRequest", "ForwardResult", "InProcessBackend", "LOSS_NAMES", "LoraConfig", "ModelInfo",
+           "TensorInput", "Weights", "describe_losses", "merge_results"]

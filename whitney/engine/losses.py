@@ -1,8 +1,10 @@
-"""Token-summed losses, one plain function each, and the map from names to them.
+"""The loss table `LOSSES`: every loss one `LossSpec` (loss_table.py), opsd (opsd.py) and custom graphs
+(custom_loss.py, one `custom` entry specialised per graph) included.
 
-Each loss takes the learner's log-probs of the targets and the datum's tensors, concatenated over the
-datums of one request (the sums make that equivalent to per-datum calls), and returns the loss
-**summed over tokens, never averaged**, the per-token loss and detached metrics.
+The losses written here are token-summed: each takes the learner's log-probs of the targets and the
+datum's tensors, concatenated over the datums of one request (the sums make that equivalent to
+per-datum calls; gspo's per-datum ratio reads `datum_index`), and returns the loss **summed over
+tokens, never averaged**, the per-token loss and detached metrics.
 
 Notation: l_t learner log-prob of the target, q_t sampler log-prob (`old_logprobs`), r_t = exp(l_t - q_t),
 A_t advantage, w_t weight, sg = stop-gradient. Shapes: N tokens, K soft-target candidates.
@@ -10,44 +12,15 @@ A_t advantage, w_t weight, sg = stop-gradient. Shapes: N tokens, K soft-target c
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from whitney.engine.datum import FieldSpec
+from whitney.engine import custom_loss, opsd
+from whitney.engine.datum import FieldSpec, PreparedDatum
+from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec, Param, lookup
 from whitney.errors import InvalidInput, check
-
-
-# Each loss's loss_config keys, as the capabilities route advertises them.
-LOSS_CONFIG_KEYS = {
-    "cross_entropy": (),
-    "importance_sampling": (),
-    "ppo": ("clip_low", "clip_high", "clip_low_threshold", "clip_high_threshold"),
-    "cispo": ("eps_max", "clip_low_threshold", "clip_high_threshold"),
-    "dro": ("beta",),
-    "opsd": ("ce_coef", "kl_coef"),
-}
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor  # scalar, summed over tokens
-    elementwise: torch.Tensor  # [N] per-token loss (detached)
-    logprobs: torch.Tensor  # [N] per-position log-prob returned to the caller (detached)
-    metrics: dict[str, float]
-    # What each averaged metric is a mean over (default: the request's tokens), so the metrics of a
-    # request's micro-batches merge into exactly the metrics of the whole (`runs.merge_results`).
-    mean_counts: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    fn: Callable[[torch.Tensor, dict[str, torch.Tensor], dict], LossOutput] | None
-    inputs: dict[str, FieldSpec]
-    required: frozenset[str]
-    config: Callable[[dict], dict]  # validates a loss_config and fills defaults
 
 
 def _metrics(loss: torch.Tensor, n: int, **extra: float) -> dict[str, float]:
@@ -116,106 +89,175 @@ def dro(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> Loss
     return LossOutput(loss, per_token.detach(), lp.detach(), _metrics(loss, lp.shape[0]))
 
 
-def _finite(value) -> bool:
-    """A finite int or float (not a bool). A JSON integer too large for a float is not finite."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
+def gspo(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> LossOutput:
+    """GSPO-token: L = -sum_t min(s_t A_t, clip(s_t, low, high) A_t), with one ratio per datum.
+
+    Datum b's sequence ratio is s_b = exp(mean over its marked positions M_b (sequence_ratio_mask != 0)
+    of l_t - q_t); every position t of b carries s_t = sg(s_b) * exp(l_t - sg(l_t)): s_b's value, the
+    gradient of its own l_t. Summed over tokens like ppo, whose clipping it shares.
+    """
+    rows = inputs["datum_index"]  # [N] datum of each position
+    B = int(rows.max()) + 1 if rows.numel() else 0
+    marked = (inputs["sequence_ratio_mask"] != 0).to(lp.dtype)  # [N]
+    sums = lp.new_zeros(B).index_add(0, rows, (lp.detach() - inputs["old_logprobs"]) * marked)  # [B]
+    counts = lp.new_zeros(B).index_add(0, rows, marked)  # [B], >= 1 each (check_row)
+    ratio = torch.exp((sums / counts)[rows] + lp - lp.detach())  # [N]: value s_b, d/dl_t = s_b
+    adv = inputs["advantages"]
+    clipped = torch.clamp(ratio, config["low"], config["high"])
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    loss = per_token.sum()
+    frac = float(((ratio * adv) > (clipped * adv)).float().mean()) if lp.numel() else 0.0
+    return LossOutput(loss, per_token.detach(), lp.detach(),
+                      _metrics(loss, lp.shape[0], **{"clipped_fraction:mean": frac}))
+
+
+def _gspo_row(d: PreparedDatum, index: int, config: dict) -> None:
+    check(bool((d.inputs["sequence_ratio_mask"] != 0).any()),
+          f"datum {index}: sequence_ratio_mask marks no position; gspo's sequence ratio is a mean over the "
+          "positions it marks (the sampled tokens)", field="sequence_ratio_mask", datum_index=index)
+
+
+def custom(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> LossOutput:
+    """A client's graph (custom_loss.py) per datum b: L = sum_b L_b(l_b, inputs_b), summed over datums.
+
+    Each L_b runs on a detached copy x_b of the datum's log-probs, and reaches the learner as
+    sum_t g_t l_t with g_t = dL_b/dx_t (value L_b): the exact gradient, without the graph ever holding
+    the model's tensors. elementwise_loss is g_t l_t (the first-order share the SDK's client-side
+    custom path reports; it need not sum to L_b); the per-position log-prob shown for [N, K] targets is the
+    mean over K. Metrics: custom/<name>:sum added over datums, custom/<name>:mean averaged over them.
+    """
+    program = config["program"]
+    counts = torch.bincount(inputs["datum_index"]).tolist()  # tokens per datum (each has >= 1)
+    starts = [sum(counts[:b]) for b in range(len(counts))]
+    grads, total, sums = [], lp.new_zeros((), dtype=torch.float64), {}
+    for b, (start, n) in enumerate(zip(starts, counts)):
+        with torch.enable_grad():
+            x = lp[start:start + n].detach().requires_grad_(True)  # [N] or [N, K]
+            values = [x] + [inputs[name][b] if rank == 0 else inputs[name][start:start + n]
+                            for name, rank in program.inputs[1:]]
+            try:
+                loss_b, metrics_b = custom_loss.run_program(program, values)
+            except InvalidInput as e:  # the batch step fails this request alone (Engine._compute)
+                raise InvalidInput(f"datum {b}: {e.message}", field=e.field, datum_index=b) from None
+            g = torch.autograd.grad(loss_b, x, allow_unused=True)[0] if loss_b.requires_grad else None
+        grads.append(torch.zeros_like(x) if g is None else g)
+        total = total + loss_b.detach().double()
+        for key, value in metrics_b.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    g = torch.cat(grads)  # [N] or [N, K]
+    surrogate = (g * lp).sum()
+    loss = total.to(lp.dtype) + (surrogate - surrogate.detach())  # value sum_b L_b, gradient sum_t g_t dl_t
+    share = (g * lp.detach())
+    shown = lp.detach()
+    if lp.dim() == 2:
+        share, shown = share.sum(-1), shown.mean(-1)
+    B = len(counts)
+    metrics = {key: v / B if key.endswith(":mean") else v for key, v in sums.items()}
+    return LossOutput(loss, share.detach(), shown, {**_metrics(loss, lp.shape[0]), **metrics},
+                      {key: float(B) for key in metrics if key.endswith(":mean")})
+
+
+def _custom_bind(raw: dict) -> tuple[LossSpec, dict]:
+    """The custom entry for one graph: target_tokens and the inputs the graph declares."""
+    program = custom_loss.compile_loss(raw)
+    inputs = {"target_tokens": FieldSpec("token", allow_2d=True)}
+    for name, rank in program.inputs[1:]:
+        inputs[name] = (FieldSpec("token", allow_2d=True) if name == "target_tokens"
+                        else FieldSpec("float", rows=SCALAR if rank == 0 else "N", allow_2d=rank == 2))
+    return replace(LOSSES["custom"], inputs=inputs, required=frozenset(inputs)), {"program": program}
+
+
+def _custom_row(d: PreparedDatum, index: int, config: dict) -> None:
+    """Ranks as declared, then a dry run of the graph on this datum's shapes (log-probs -1), so a graph
+    that fails on them is refused before it joins a batch with other runs."""
+    program = config["program"]
+    for name, rank in ((n, r) for n, r in program.inputs if r > 0):
+        t = d.inputs["target_tokens" if name == "logprobs" else name]
+        check(t.dim() == rank, f"datum {index}: {'target_tokens' if name == 'logprobs' else name} has rank "
+              f"{t.dim()}, but custom loss {program.name!r} declares {name} with rank {rank}",
+              field="target_tokens" if name == "logprobs" else name, datum_index=index)
+    values = [torch.full(d.inputs["target_tokens"].shape, -1.0)] + [d.inputs[n] for n, _ in program.inputs[1:]]
     try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
+        with torch.no_grad():
+            custom_loss.run_program(program, values)
+    except InvalidInput as e:
+        raise InvalidInput(f"datum {index}: {e.message}", field=e.field, datum_index=index) from None
 
 
-def _number(config: dict, key: str, default: float, rule: Callable[[float], bool], text: str) -> float:
-    value = config.get(key, default)  # an explicit null is rejected like any other non-number
-    check(_finite(value) and rule(value), f"loss_config.{key} must be {text}, got {value!r}",
-          field=f"loss_config.{key}")
-    return float(value)
+# ---- loss_config: each key once, with its default and rule; the cross-key rules --------------------
+
+def _in_unit(v: float) -> bool:
+    return 0 <= v <= 1
 
 
-def check_config_keys(config: dict, loss: str) -> None:
-    check(isinstance(config, dict), "loss_config must be an object", field="loss_config")
-    keys = LOSS_CONFIG_KEYS[loss]
-    for key in config:
-        check(key in keys, f"loss_config.{key} is not a parameter of {loss}; it takes {sorted(keys) or 'none'}",
-              field=f"loss_config.{key}")
-
-
-def _no_config(name: str) -> Callable[[dict], dict]:
-    def parse(config: dict) -> dict:
-        check_config_keys(config, name)
-        return {}
-    return parse
-
-
-def _ratio_bounds(config: dict, loss: str, other_form: tuple[str, ...], default_low: float,
-                  default_high: float) -> dict:
-    """Tinker's absolute bounds {low, high} when a *_threshold key is given, else {}; never both forms."""
-    absolute = {"clip_low_threshold", "clip_high_threshold"} & set(config)
-    other = set(other_form) & set(config)
-    check(not (absolute and other), f"{loss}: give either {sorted(other_form)} or "
-          "clip_low_threshold/clip_high_threshold, not both", field=f"loss_config.{min(absolute or {''})}")
-    if not absolute:
-        return {}
-    low = _number(config, "clip_low_threshold", default_low, lambda v: 0 <= v <= 1, "in [0, 1]")
-    high = _number(config, "clip_high_threshold", default_high, lambda v: v >= 1, ">= 1")
-    return {"low": low, "high": high}
-
-
-def _ppo_config(config: dict) -> dict:
-    check_config_keys(config, "ppo")
-    bounds = _ratio_bounds(config, "ppo", ("clip_low", "clip_high"), 0.8, 1.2)
-    if bounds:
-        return bounds
-    low = _number(config, "clip_low", 0.2, lambda v: 0 <= v <= 1, "in [0, 1]")
-    high = _number(config, "clip_high", 0.2, lambda v: v >= 0, ">= 0")
-    return {"low": 1.0 - low, "high": 1.0 + high}
-
-
+# Tinker's absolute bounds on the ratio, the other form of ppo's, cispo's and gspo's clipping.
+_THRESHOLDS = {"clip_low_threshold": Param(0.8, _in_unit, "in [0, 1]"),
+               "clip_high_threshold": Param(1.2, lambda v: v >= 1, ">= 1")}
+_PPO_PARAMS = {"clip_low": Param(0.2, _in_unit, "in [0, 1]"), "clip_high": Param(0.2, lambda v: v >= 0, ">= 0"),
+               **_THRESHOLDS}
 CISPO_DEFAULT_EPS_MAX = 5.0
+_CISPO_PARAMS = {"eps_max": Param(CISPO_DEFAULT_EPS_MAX, lambda v: v > 0, "> 0"), **_THRESHOLDS}
 
 
-def _cispo_config(config: dict) -> dict:
-    check_config_keys(config, "cispo")
-    bounds = _ratio_bounds(config, "cispo", ("eps_max",), 0.8, 1.2)
-    if bounds:
-        return bounds
-    return {"low": 0.0, "high": _number(config, "eps_max", CISPO_DEFAULT_EPS_MAX, lambda v: v > 0, "> 0")}
+def _one_form(loss: str, given: set[str], other_form: tuple[str, ...]) -> bool:
+    """True when the absolute *_threshold bounds are given; giving both forms is InvalidInput."""
+    absolute = {"clip_low_threshold", "clip_high_threshold"} & given
+    check(not (absolute and set(other_form) & given), f"{loss}: give either {sorted(other_form)} or "
+          "clip_low_threshold/clip_high_threshold, not both", field=f"loss_config.{min(absolute or {''})}")
+    return bool(absolute)
 
 
-def _dro_config(config: dict) -> dict:
-    check_config_keys(config, "dro")
-    return {"beta": _number(config, "beta", 0.05, lambda v: v >= 0, ">= 0")}
+def _epsilon_bounds(loss: str) -> Callable[[dict, set[str]], dict]:
+    """{low, high} absolute bounds: [1 - clip_low, 1 + clip_high], or Tinker's thresholds as given."""
+    def resolve(v: dict, given: set[str]) -> dict:
+        if _one_form(loss, given, ("clip_low", "clip_high")):
+            return {"low": v["clip_low_threshold"], "high": v["clip_high_threshold"]}
+        return {"low": 1.0 - v["clip_low"], "high": 1.0 + v["clip_high"]}
+    return resolve
 
+
+def _cispo_bounds(v: dict, given: set[str]) -> dict:
+    """{low, high}: (0, eps_max], or Tinker's thresholds as given."""
+    if _one_form("cispo", given, ("eps_max",)):
+        return {"low": v["clip_low_threshold"], "high": v["clip_high_threshold"]}
+    return {"low": 0.0, "high": v["eps_max"]}
+
+
+# ---- the table ------------------------------------------------------------------------------------
 
 _RL_INPUTS = {"target_tokens": FieldSpec("token"), "old_logprobs": FieldSpec("float"),
               "advantages": FieldSpec("float")}
 _RL_REQUIRED = frozenset(_RL_INPUTS)
+_GSPO_INPUTS = {**_RL_INPUTS, "sequence_ratio_mask": FieldSpec("float")}
 
-
-LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy,
-                              {"target_tokens": FieldSpec("token", allow_2d=True),
-                               "weights": FieldSpec("float", allow_2d=True, default=1.0)},
-                              frozenset({"target_tokens"}), _no_config("cross_entropy")),
-    "importance_sampling": LossSpec(importance_sampling, _RL_INPUTS, _RL_REQUIRED, _no_config("importance_sampling")),
-    "ppo": LossSpec(ppo, _RL_INPUTS, _RL_REQUIRED, _ppo_config),
-    "cispo": LossSpec(cispo, _RL_INPUTS, _RL_REQUIRED, _cispo_config),
-    "dro": LossSpec(dro, _RL_INPUTS, _RL_REQUIRED, _dro_config),
+LOSSES: dict[str, LossSpec] = {spec.name: spec for spec in (
+    LossSpec("cross_entropy", cross_entropy,
+             {"target_tokens": FieldSpec("token", allow_2d=True),
+              "weights": FieldSpec("float", allow_2d=True, default=1.0)}, frozenset({"target_tokens"})),
+    LossSpec("importance_sampling", importance_sampling, _RL_INPUTS, _RL_REQUIRED),
+    LossSpec("ppo", ppo, _RL_INPUTS, _RL_REQUIRED, _PPO_PARAMS, _epsilon_bounds("ppo")),
+    # Tinker's cispo clips to its absolute 0.8 / 1.2 unless told otherwise; the native default is eps_max.
+    LossSpec("cispo", cispo, _RL_INPUTS, _RL_REQUIRED, _CISPO_PARAMS, _cispo_bounds,
+             tinker_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    LossSpec("dro", dro, _RL_INPUTS, _RL_REQUIRED, {"beta": Param(0.05, lambda v: v >= 0, ">= 0")}),
+    LossSpec("gspo", gspo, _GSPO_INPUTS, frozenset(_GSPO_INPUTS), _PPO_PARAMS, _epsilon_bounds("gspo"),
+             check_row=_gspo_row),
+    opsd.SPEC,
+    # One entry for every custom graph: `bind` specialises it to the graph in loss_config.
+    LossSpec("custom", custom, {}, frozenset(), check_row=_custom_row, bind=_custom_bind),
+)}
+LOSS_NAMES = tuple(LOSSES)
+# Names the Tinker SDK knows that this table does not serve, and why (a clearer 400 than "unknown").
+UNSERVED = {
+    "stable_reinforce": "its objective and the stability information its sampler records are not published",
 }
 
 
 def loss_spec(name: str) -> LossSpec:
-    """The spec of a loss by name; an unknown name is an error listing the known ones."""
-    if name == "opsd":
-        from whitney.engine.opsd import SPEC
-
-        return SPEC
-    if name not in LOSSES:
-        raise InvalidInput(f"unknown loss function {name!r}; known: {sorted([*LOSSES, 'opsd'])}",
-                           field="loss_fn")
-    return LOSSES[name]
+    """The table's entry for a loss; an unknown name is InvalidInput listing the known ones."""
+    return lookup(LOSSES, name, UNSERVED)
 
 
-LOSS_NAMES = (*LOSSES, "opsd")
-
+def describe() -> dict[str, dict]:
+    """Every loss's public description as plain data (see LossSpec.describe)."""
+    return {name: spec.describe() for name, spec in LOSSES.items()}

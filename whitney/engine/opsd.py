@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from whitney.engine.datum import FieldSpec, PreparedDatum
-from whitney.engine.losses import LossOutput, LossSpec, _finite, check_config_keys
+from whitney.engine.loss_table import LossOutput, LossSpec, Param
 from whitney.errors import InvalidInput, check
 
 TEACHER = "teacher_token_ids"
@@ -37,18 +37,11 @@ INPUTS = {
 REQUIRED = frozenset(INPUTS) - {"loss_mask"}
 
 
-def parse_config(config: dict) -> dict:
-    """ce_coef (default 1.0) and kl_coef (default 1.0): finite, non-negative, at least one positive."""
-    out = {}
-    check_config_keys(config, "opsd")
-    for key in ("ce_coef", "kl_coef"):
-        value = config.get(key, 1.0)
-        check(_finite(value) and value >= 0, f"loss_config.{key} must be finite and non-negative, got {value!r}",
-              field=f"loss_config.{key}")
-        out[key] = float(value)
-    check(out["ce_coef"] > 0 or out["kl_coef"] > 0, "opsd needs ce_coef or kl_coef to be positive",
+def _at_least_one(values: dict[str, float], given: set[str]) -> dict:
+    """ce_coef and kl_coef (each finite, >= 0, default 1.0): at least one must be positive."""
+    check(values["ce_coef"] > 0 or values["kl_coef"] > 0, "opsd needs ce_coef or kl_coef to be positive",
           field="loss_config.kl_coef")
-    return out
+    return values
 
 
 def _kl_positions(ids: torch.Tensor, mask: torch.Tensor, index: int, field: str) -> torch.Tensor:
@@ -142,4 +135,27 @@ def objective(lp: list[torch.Tensor], student_kl: list[torch.Tensor], teacher_kl
                       {"opsd_kl": float(kl_n), "ce_loss": float(ce_n)})
 
 
-SPEC = LossSpec(None, INPUTS, REQUIRED, parse_config)
+def loss(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> LossOutput:
+    """The table's entry point (loss_table.py's contract): the request's concatenation split back into
+    rows, then `objective`. lp [N]; datum_index [N]; loss_mask [N]; kl_index [P] positions in [0, N) of
+    the KL pairs, row by row in kl_id order; student_kl, teacher_kl [P, V]."""
+    rows = inputs["datum_index"]  # [N]
+    B = int(rows[-1]) + 1
+    lengths = torch.bincount(rows, minlength=B)  # [B]
+    starts = torch.cumsum(lengths, 0) - lengths  # [B] first position of each row
+    pair_rows = rows[inputs["kl_index"]]  # [P]
+    pairs = torch.bincount(pair_rows, minlength=B).tolist()
+    local = (inputs["kl_index"] - starts[pair_rows]).split(pairs)  # [K_i] student positions per row
+    n = lengths.tolist()
+    return objective(list(lp.split(n)), list(inputs["student_kl"].split(pairs)),
+                     list(inputs["teacher_kl"].split(pairs)), list(inputs["loss_mask"].split(n)), list(local), config)
+
+
+_COEF = Param(1.0, lambda v: v >= 0, "finite and non-negative")
+SPEC = LossSpec("opsd", loss, INPUTS, REQUIRED, {"ce_coef": _COEF, "kl_coef": _COEF}, _at_least_one,
+                check_row=validate_row, teacher=TEACHER)
+
+
+def parse_config(config: dict) -> dict:
+    """ce_coef (default 1.0) and kl_coef (default 1.0): finite, non-negative, at least one positive."""
+    return SPEC.config(config)

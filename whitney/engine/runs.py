@@ -19,12 +19,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from whitney.engine import checkpoint as ckpt
-from whitney.engine import opsd
 from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
 from whitney.engine.config import EngineConfig
 from whitney.engine.hf_sampler import HFSampler
 from whitney.engine.lora import Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
-from whitney.engine.losses import LossOutput, loss_spec
+from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec
+from whitney.engine.losses import LOSSES
 from whitney.engine.model import (
     COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, resolve_compute_dtype, resolve_device,
     target_logprobs,
@@ -70,8 +70,9 @@ class _Prepared:
     adapter: Adapter | None
     run: Run | None
     datums: list[PreparedDatum]
+    spec: LossSpec  # the loss's table entry
     config: dict
-    opsd_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    rows: list | None = None  # per datum, what spec.check_row returned (a teacher pass: KL positions)
 
 
 class Engine:
@@ -195,9 +196,9 @@ class Engine:
             run = self.get_run(request.run_id)
             adapter, base = run.adapter, run.base
         checked = check_request(request, backward, base.config.vocab_size, base.config.max_context)
-        return _Prepared(request, adapter, run, checked.datums, checked.config, checked.opsd_pairs)
+        return _Prepared(request, adapter, run, checked.datums, checked.spec, checked.config, checked.rows)
 
-    def _compute(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[ForwardResult]:
+    def _compute(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[ForwardResult | WhitneyError]:
         teacher_kl = self._teacher_logprobs(base, items)
         lengths = [d.length for it in items for d in it.datums]
         T = max(lengths)
@@ -218,48 +219,53 @@ class Engine:
             outputs, start = [], 0
             for it, tk in zip(items, teacher_kl):
                 n = sum(d.length for d in it.datums)
-                # Logits are recomputed in backward only when the batch's tokens exceed one chunk.
-                outputs.append(self._loss(base, it, flat[start:start + n], tk, flat.shape[0] > LOGITS_CHUNK))
+                try:  # Logits are recomputed in backward only when the batch's tokens exceed one chunk.
+                    outputs.append(self._loss(base, it, flat[start:start + n], tk, flat.shape[0] > LOGITS_CHUNK))
+                except WhitneyError as e:  # a loss refusing its values only now (a custom graph): it alone fails
+                    outputs.append(e)
                 start += n
-            if backward:
-                self._accumulate(items, outputs)
-        return [self._result(it, o) for it, o in zip(items, outputs)]
+            ran = [(it, o) for it, o in zip(items, outputs) if isinstance(o, LossOutput)]
+            if backward and ran:
+                self._accumulate([it for it, _ in ran], [o for _, o in ran])
+        return [o if isinstance(o, WhitneyError) else self._result(it, o) for it, o in zip(items, outputs)]
 
     def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl, recompute: bool) -> LossOutput:
         """Apply the request's loss to its hidden rows h [N, D] (all its datums, concatenated, moved here from
-        the CPU, where they were validated, to the device)."""
+        the CPU, where they were validated, to the device), with the inputs loss_table.py's contract names."""
         dev = base.device
-        if it.request.loss_fn != "opsd":
-            targets = torch.cat([d.inputs["target_tokens"] for d in it.datums]).to(dev)  # [N] or [N, K]
-            lp = _chunked_target_logprobs(base, h, targets, it.adapter, recompute)  # [N] or [N, K]
-            inputs = {k: torch.cat([d.inputs[k] for d in it.datums]).to(dev) for k in it.datums[0].inputs}
-            return loss_spec(it.request.loss_fn).fn(lp, inputs, it.config)
-        lps, student_kl, start = [], [], 0
-        for d, (s_pos, _) in zip(it.datums, it.opsd_pairs):
-            hd = h[start:start + d.length]
-            lps.append(_chunked_target_logprobs(base, hd, d.inputs["target_tokens"].to(dev), it.adapter, recompute))
-            student_kl.append(full_logprobs(unembed(base, hd[s_pos.to(dev)],
-                                                    RowGroups([(0, len(s_pos), it.adapter)]))))
-            start += d.length
-        return opsd.objective(lps, student_kl, teacher_kl, [d.inputs["loss_mask"].to(dev) for d in it.datums],
-                              [p[0].to(dev) for p in it.opsd_pairs], it.config)
+        targets = torch.cat([d.inputs["target_tokens"] for d in it.datums]).to(dev)  # [N] or [N, K]
+        lp = _chunked_target_logprobs(base, h, targets, it.adapter, recompute)  # [N] or [N, K]
+        per_position = [k for k in it.datums[0].inputs if it.spec.inputs[k].rows == "N"]
+        inputs = {k: torch.cat([d.inputs[k] for d in it.datums]).to(dev) for k in per_position}
+        inputs.update({k: torch.stack([d.inputs[k] for d in it.datums]).to(dev)  # [B]: one value per datum
+                       for k in it.datums[0].inputs if it.spec.inputs[k].rows == SCALAR})
+        lengths = torch.tensor([d.length for d in it.datums])
+        inputs["datum_index"] = torch.repeat_interleave(torch.arange(len(it.datums)), lengths).to(dev)  # [N]
+        if it.spec.teacher:  # the KL pairs: learner full-vocabulary log-probs here, the teacher's from its pass
+            starts = (torch.cumsum(lengths, 0) - lengths).tolist()
+            pos = torch.cat([s_pos + start for (s_pos, _), start in zip(it.rows, starts)]).to(dev)  # [P]
+            inputs["kl_index"] = pos
+            inputs["student_kl"] = full_logprobs(unembed(base, h[pos], RowGroups([(0, len(pos), it.adapter)])))
+            inputs["teacher_kl"] = torch.cat(teacher_kl)  # [P, V]
+        return it.spec.fn(lp, inputs, it.config)
 
     def _teacher_logprobs(self, base: BaseModel, items: list[_Prepared]) -> list[list[torch.Tensor] | None]:
-        """opsd teacher streams through the same weights, no gradient: [K, V] log-probs per datum."""
+        """Teacher streams (a loss whose entry names one) through the same weights, no gradient: [K, V]
+        log-probs at each datum's paired teacher positions."""
         out: list[list[torch.Tensor] | None] = [None] * len(items)
-        rows = [(i, d, pair[1]) for i, it in enumerate(items) if it.opsd_pairs
-                for d, pair in zip(it.datums, it.opsd_pairs)]
+        rows = [(i, d.inputs[it.spec.teacher], pair[1]) for i, it in enumerate(items) if it.spec.teacher
+                for d, pair in zip(it.datums, it.rows)]
         if not rows:
             return out
-        T = max(int(d.inputs[opsd.TEACHER].shape[0]) for _, d, _ in rows)
-        tokens = torch.zeros(len(rows), T, dtype=torch.int64, device="cpu")
+        T = max(int(stream.shape[0]) for _, stream, _ in rows)
+        tokens = torch.zeros(len(rows), T, dtype=torch.int64, device="cpu")  # [R, T] right-padded
         bounds = []
-        for r, (i, d, _) in enumerate(rows):
-            tokens[r, : d.inputs[opsd.TEACHER].shape[0]] = d.inputs[opsd.TEACHER]
+        for r, (i, stream, _) in enumerate(rows):
+            tokens[r, : stream.shape[0]] = stream
             bounds.append((r, r + 1, items[i].adapter))
         with torch.no_grad():
             hidden = forward_hidden(base, tokens.to(base.device), RowGroups(bounds))
-            for r, (i, d, pos) in enumerate(rows):
+            for r, (i, _, pos) in enumerate(rows):
                 h = hidden[r, pos.to(base.device)]  # [K, D]
                 lp = full_logprobs(unembed(base, h, RowGroups([(0, len(pos), items[i].adapter)])))
                 out[i] = (out[i] or []) + [lp]
@@ -306,10 +312,10 @@ class Engine:
             if not isinstance(s, list) or len(s) == 0:
                 raise InvalidInput(f"sequence {i} is empty", field="sequences", datum_index=i)
         data = [Datum(s[:-1] or s, {"target_tokens": s[1:] or s}) for s in sequences]
+        ce = LOSSES["cross_entropy"]
         items = [_Prepared(ForwardRequest(None, data), adapter, None,
-                           [prepare_datum(d, i, loss_spec("cross_entropy").inputs, {"target_tokens"},
-                                          base.config.vocab_size, base.config.max_context)
-                            for i, d in enumerate(data)], {})]
+                           [prepare_datum(d, i, ce.inputs, {"target_tokens"}, base.config.vocab_size,
+                                          base.config.max_context) for i, d in enumerate(data)], ce, {})]
         (result,) = self._compute(base, items, backward=False)
         return [[None] + (o.logprobs if len(s) > 1 else []) for s, o in zip(sequences, result.outputs)]
 

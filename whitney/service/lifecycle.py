@@ -29,6 +29,7 @@ class OperationKind(StrEnum):
     # Tinker only, done when created so that retrieve_future answers it: create_model. (A Tinker model
     # created by load_weights records a done load_state / load_state_with_optimizer, in no run's order.)
     CREATE_MODEL = "create_model"
+    CREATE_CUSTOM_LOSS = "create_custom_loss"  # Tinker only, done when created (service/custom_losses.py)
 
 
 _K = OperationKind

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from whitney.engine import LOSS_CONFIG_KEYS
+from whitney.engine import describe_losses
 from whitney.service.deps import Owner, State
 from whitney.service.lifecycle import SAMPLING_KINDS, TRAINING_KINDS
 
@@ -18,6 +18,7 @@ health = APIRouter(tags=["health"])
 @router.get("/training/capabilities")
 def capabilities(st: State) -> dict:
     config = st.scheduler.backend.config
+    losses = describe_losses()  # the engine's loss table, as plain data
     return {
         "models": [{
             "name": name,
@@ -31,7 +32,9 @@ def capabilities(st: State) -> dict:
             "adaptable_modules": list(info.adaptable_modules),
         } for name, info in ((name, st.model_info(name)) for name in st.models)],
         "operations": [*TRAINING_KINDS, *SAMPLING_KINDS],
-        "loss_functions": {name: list(keys) for name, keys in LOSS_CONFIG_KEYS.items()},
+        "loss_functions": {name: list(loss["config"]) for name, loss in losses.items()},
+        "losses": {name: {k: loss[k] for k in ("required_inputs", "optional_inputs", "config", "passes")}
+                   for name, loss in losses.items()},
         "limits": {
             **st.limits.as_dict(),
             "max_concurrent_sequences": config.max_sequences,

@@ -1,0 +1,413 @@
+"""Server-side custom losses (engine/custom_loss.py and the `custom` entry of the loss table).
+
+Losses are traced by the real Tinker SDK (`trace_loss`, `encode_graph`: what `create_custom_loss` uploads).
+Function level: value, metrics and gradient with respect to the learner log-probs equal a float64
+reference (the same Python function on float64 copies, per datum, summed) and the SDK's own client-side
+evaluation (`run_loss_handle`, what forward_backward_custom runs with a handle that stays local).
+Engine level: the gradient a custom loss accumulates on every LoRA weight equals the SDK's callable path
+(forward, dL/dlogprob on the client, cross_entropy with weights = -dL/dlogprob); a custom request
+co-batched with another run's ppo request gives what each gives alone.
+Hostile graphs: a catalogue, each refused with InvalidInput naming the node, and the engine trains after.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.engine.test_losses import new_run_id, randomize_B
+from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
+from whitney.engine.custom_loss import MAX_NODES, compile_loss
+from whitney.engine.losses import custom, loss_spec
+from whitney.errors import InvalidInput
+
+# ---- losses a user would write (per datum; traced by the SDK) -------------------------------------
+
+
+def clipped_is(logprobs, old_logprobs, advantages):
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped = torch.clamp(ratio, 0.8, 1.2)
+    loss = -torch.minimum(ratio * advantages, clipped * advantages).sum()
+    return loss, {"custom/ratio:mean": ratio.mean(), "custom/clipped:sum": (ratio != clipped).float().sum()}
+
+
+def weighted_nll(logprobs, weights):
+    loss = -(logprobs * weights).sum() / (weights.sum() + 1.0)
+    return loss, {"custom/nll:sum": loss.detach()}
+
+
+def gated(logprobs, advantages, scale):
+    """where / clamp / exp / softplus / logsumexp, and a per-datum scalar input (rank 0)."""
+    z = torch.where(advantages > 0, torch.exp(logprobs).clamp(max=0.9), -F.softplus(logprobs))
+    loss = scale * (z * advantages).sum() + torch.logsumexp(logprobs, dim=0) + logprobs[1:].mean()
+    return loss, {"custom/z:mean": z.mean()}
+
+
+def soft_targets(logprobs, weights):
+    """[N, K] log-probs of K candidates per position."""
+    loss = -(torch.softmax(weights, dim=-1) * logprobs).sum()
+    return loss, {}
+
+
+CASES = {  # name: (fn, input ranks, per-datum input makers (rng, n) -> array)
+    "clipped_is": (clipped_is, {"logprobs": 1, "old_logprobs": 1, "advantages": 1},
+                   {"old_logprobs": lambda r, n: -r.uniform(0.5, 3, n), "advantages": lambda r, n: r.normal(0, 1, n)}),
+    "weighted_nll": (weighted_nll, {"logprobs": 1, "weights": 1}, {"weights": lambda r, n: r.uniform(0, 2, n)}),
+    "gated": (gated, {"logprobs": 1, "advantages": 1, "scale": 0},
+              {"advantages": lambda r, n: r.normal(0, 1, n), "scale": lambda r, n: np.array(r.uniform(0.5, 2))}),
+    "soft_targets": (soft_targets, {"logprobs": 2, "weights": 2}, {"weights": lambda r, n: r.normal(0, 1, (n, 3))}),
+}
+
+
+def definition(fn, ranks) -> dict:
+    """What create_custom_loss uploads for fn, as JSON (the SDK's own tracing and encoding)."""
+    from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+    handle = trace_loss(fn, ranks, "session")
+    return json.loads(json.dumps({"name": handle.name, "inputs": [i.model_dump() for i in handle.inputs],
+                                  "graph": encode_graph(handle).model_dump()}))
+
+
+def case_inputs(name: str, lengths: list[int], seed: int = 0) -> list[dict[str, np.ndarray]]:
+    fn, ranks, makers = CASES[name]
+    rng = np.random.default_rng(seed)
+    return [{k: np.asarray(make(rng, n), dtype=np.float32) for k, make in makers.items()} for n in lengths]
+
+
+def logprob_shape(name: str, n: int) -> tuple:
+    return (n, 3) if CASES[name][1]["logprobs"] == 2 else (n,)
+
+
+# ---- function level -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_value_metrics_and_gradient_match_float64_and_the_sdk(name):
+    from tinker import types
+    from tinker.lib.public_interfaces.custom_loss import run_loss_handle, trace_loss
+
+    fn, ranks, _ = CASES[name]
+    lengths = [5, 3, 7]
+    items = case_inputs(name, lengths)
+    rng = np.random.default_rng(1)
+    lps = [-rng.uniform(0.05, 4.0, logprob_shape(name, n)) for n in lengths]
+    spec, config = loss_spec("custom").configure(definition(fn, ranks))
+
+    # Engine: the datums concatenated, as the batched step hands them over.
+    lp = torch.tensor(np.concatenate(lps), dtype=torch.float32, requires_grad=True)
+    inputs = {k: torch.tensor(np.concatenate([it[k] for it in items])) if ranks[k] else
+              torch.tensor(np.stack([it[k] for it in items])) for k in items[0]}
+    inputs["datum_index"] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    out = custom(lp, inputs, config)
+    (grad,) = torch.autograd.grad(out.loss, lp)
+
+    # Float64 reference: the same function per datum on float64 copies, summed.
+    ref_lps = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in lps]
+    ref_total, ref_metrics = 0.0, {}
+    for x, it in zip(ref_lps, items):
+        loss_b, metrics_b = fn(x, *(torch.tensor(it[k], dtype=torch.float64) for k in list(ranks)[1:]))
+        ref_total = ref_total + loss_b
+        for key, v in metrics_b.items():
+            ref_metrics[key] = ref_metrics.get(key, 0.0) + float(v.detach())
+    ref_grad = torch.cat(torch.autograd.grad(ref_total, ref_lps))
+    ref_metrics = {k: v / len(lengths) if k.endswith(":mean") else v for k, v in ref_metrics.items()}
+    assert float(out.loss) == pytest.approx(float(ref_total), rel=1e-5, abs=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-6)
+    for key, v in ref_metrics.items():
+        assert out.metrics[key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
+    assert out.metrics["loss:sum"] == pytest.approx(float(ref_total), rel=1e-5, abs=1e-5)
+    assert out.mean_counts == {k: len(lengths) for k in ref_metrics if k.endswith(":mean")}
+    # elementwise_loss: dL/dl_t * l_t, as the SDK's client-side path reports it.
+    share = (ref_grad * torch.cat([x.detach() for x in ref_lps]))
+    torch.testing.assert_close(out.elementwise.double(), share.sum(-1) if share.dim() == 2 else share,
+                               rtol=1e-5, atol=1e-6)
+
+    # The SDK's client-side evaluation of the same traced loss (float32).
+    handle = trace_loss(fn, ranks, "session")
+    data = [types.Datum(model_input=types.ModelInput.from_ints([1] * n),
+                        loss_fn_inputs={"target_tokens": np.zeros(logprob_shape(name, n), dtype=np.int64),
+                                        **{k: v for k, v in it.items()}}) for n, it in zip(lengths, items)]
+    sdk_lps = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in lps]
+    sdk_loss, sdk_metrics = run_loss_handle(handle, data, sdk_lps)
+    sdk_grad = torch.cat(torch.autograd.grad(sdk_loss, sdk_lps))
+    assert float(out.loss) == pytest.approx(float(sdk_loss), rel=1e-5, abs=1e-5)
+    torch.testing.assert_close(grad, sdk_grad, rtol=1e-5, atol=1e-6)
+    assert {k: out.metrics[k] for k in sdk_metrics} == pytest.approx(sdk_metrics, rel=1e-5, abs=1e-6)
+
+
+# ---- engine level ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama) -> Engine:
+    e = Engine()
+    e.load_model(tiny_llama)
+    return e
+
+
+LORA = LoraConfig(rank=4, alpha=8.0, seed=3)
+SEQS = [[5, 17, 300, 42, 9, 1000, 77, 4321], [8, 2000, 3, 11, 4], [12345, 6, 49151]]
+
+
+def engine_data(name: str, seqs=SEQS) -> list[Datum]:
+    items = case_inputs(name, [len(s) - 1 for s in seqs], seed=5)
+    out = []
+    for s, it in zip(seqs, items):
+        n = len(s) - 1
+        targets = np.array([[t, (t + 1) % 49152, (t + 7) % 49152] for t in s[1:]]) if logprob_shape(name, n) != (n,) \
+            else np.array(s[1:])
+        inputs = {"target_tokens": {"dtype": "int64", "shape": list(targets.shape), "values": targets.flatten().tolist()}}
+        for k, v in it.items():
+            inputs[k] = {"dtype": "float32", "shape": list(v.shape), "values": v.flatten().tolist()}
+        out.append(Datum(s[:-1], inputs))
+    return out
+
+
+def two_runs(engine: Engine, tiny_llama: str):
+    a, b = new_run_id("custom"), new_run_id("callable")
+    for run_id in (a, b):
+        randomize_B(engine.create_run(run_id, tiny_llama, LORA), seed=9)
+    return a, b
+
+
+@pytest.mark.parametrize("name", ["clipped_is", "gated", "soft_targets"])
+def test_engine_gradient_equals_the_sdk_callable_path(engine, tiny_llama, name):
+    fn, ranks, _ = CASES[name]
+    server, client = two_runs(engine, tiny_llama)
+    data = engine_data(name)
+    got = engine.forward_backward(server, data, "custom", definition(fn, ranks))
+
+    # The callable path: log-probs from a forward, the loss and dL/dl on the client, then cross_entropy
+    # with weights -dL/dl, whose gradient is the loss's (SDK TrainingClient._compute_custom_loss).
+    total, linear = 0.0, []
+    lps = _full_logprobs(engine, client, data)
+    for d, lp in zip(data, lps):
+        x = lp.clone().requires_grad_(True)
+        extra = [torch.tensor(d.loss_inputs[k]["values"], dtype=torch.float32).reshape(d.loss_inputs[k]["shape"])
+                 for k in list(ranks)[1:]]
+        loss_b, _ = fn(x, *extra)
+        (g,) = torch.autograd.grad(loss_b, x)
+        total += float(loss_b)
+        linear.append(Datum(d.token_ids, {"target_tokens": d.loss_inputs["target_tokens"],
+                                          "weights": {"dtype": "float32", "shape": list(g.shape),
+                                                      "values": (-g).flatten().tolist()}}))
+    engine.forward_backward(client, linear, "cross_entropy", {})
+    assert got.loss == pytest.approx(total, rel=1e-5, abs=1e-5)
+    ga, gb = engine.get_run(server).grads, engine.get_run(client).grads
+    assert set(ga) == set(gb) and ga
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=1e-4, atol=1e-7, msg=k)
+
+
+def _full_logprobs(engine: Engine, run_id: str, data: list[Datum]) -> list[torch.Tensor]:
+    """Per datum, the target log-probs [N] or [N, K] (cross_entropy with one-hot weights per candidate)."""
+    out = []
+    for d in data:
+        shape = d.loss_inputs["target_tokens"]["shape"]
+        if len(shape) == 1:
+            (o,) = engine.forward(run_id, [Datum(d.token_ids, {"target_tokens": d.loss_inputs["target_tokens"]})]).outputs
+            out.append(torch.tensor(o.logprobs))
+            continue
+        cols = []
+        for k in range(shape[1]):
+            w = np.zeros(shape, dtype=np.float32)
+            w[:, k] = 1.0
+            (o,) = engine.forward(run_id, [Datum(d.token_ids, {
+                "target_tokens": d.loss_inputs["target_tokens"],
+                "weights": {"dtype": "float32", "shape": shape, "values": w.flatten().tolist()}})]).outputs
+            cols.append(torch.tensor(o.logprobs))
+        out.append(torch.stack(cols, dim=1))
+    return out
+
+
+def test_custom_request_co_batches_with_other_runs(engine, tiny_llama):
+    fn, ranks, _ = CASES["clipped_is"]
+    spec = definition(fn, ranks)
+    a, b = two_runs(engine, tiny_llama)
+    data = engine_data("clipped_is")
+    ppo_data = [Datum(d.token_ids, {"target_tokens": d.loss_inputs["target_tokens"],
+                                    "old_logprobs": d.loss_inputs["old_logprobs"],
+                                    "advantages": d.loss_inputs["advantages"]}) for d in data]
+    alone = [engine.forward(a, data, "custom", spec), engine.forward(b, ppo_data, "ppo", {})]
+    together = engine.run_batch([ForwardRequest(a, data, "custom", spec), ForwardRequest(b, ppo_data, "ppo", {})],
+                                backward=False)
+    for x, y in zip(alone, together):
+        assert y.loss == pytest.approx(x.loss, rel=1e-5, abs=1e-6)
+        assert y.metrics == pytest.approx(x.metrics, rel=1e-5, abs=1e-6)
+        for ox, oy in zip(x.outputs, y.outputs):
+            assert oy.logprobs == pytest.approx(ox.logprobs, rel=1e-5, abs=1e-6)
+
+
+def test_declared_ranks_and_inputs_are_checked(engine, tiny_llama):
+    fn, ranks, _ = CASES["weighted_nll"]
+    run = new_run_id()
+    engine.create_run(run, tiny_llama, LORA)
+    spec = definition(fn, ranks)
+    good = engine_data("weighted_nll")
+    missing = [Datum(good[0].token_ids, {"target_tokens": good[0].loss_inputs["target_tokens"]})]
+    with pytest.raises(InvalidInput) as e:
+        engine.forward(run, missing, "custom", spec)
+    assert e.value.field == "weights" and "required" in e.value.message
+    extra = [Datum(good[0].token_ids, {**good[0].loss_inputs, "advantages": good[0].loss_inputs["weights"]})]
+    with pytest.raises(InvalidInput) as e:
+        engine.forward(run, extra, "custom", spec)
+    assert e.value.field == "advantages"
+    soft = engine_data("soft_targets")  # [N, K] targets for a loss that declared logprobs [N]
+    is_data = engine_data("clipped_is")
+    with pytest.raises(InvalidInput) as e:
+        engine.forward(run, [Datum(soft[0].token_ids, {**is_data[0].loss_inputs,
+                                                       "target_tokens": soft[0].loss_inputs["target_tokens"]})],
+                       "custom", definition(*CASES["clipped_is"][:2]))
+    assert e.value.field == "target_tokens" and "rank 2" in e.value.message and "rank 1" in e.value.message
+
+
+# ---- hostile graphs ---------------------------------------------------------------------------------
+
+
+def R(name: str) -> dict:
+    return {"ref": name}
+
+
+def node(op: str, name: str, target: str, *args, **kwargs) -> dict:
+    return {"op": op, "name": name, "target": target, "args": list(args), "kwargs": kwargs}
+
+
+def fn_node(name, target, *args, **kwargs):
+    return node("call_function", name, target, *args, **kwargs)
+
+
+def method(name, target, *args, **kwargs):
+    return node("call_method", name, target, *args, **kwargs)
+
+
+def graph(*body: dict, loss: str = "loss") -> dict:
+    """logprobs and weights in, the body, `loss = logprobs.sum()` and the output."""
+    nodes = [node("placeholder", "logprobs", "logprobs"), node("placeholder", "weights", "weights"), *body,
+             method("loss", "sum", R("logprobs")),
+             node("output", "output", "output", {"tuple": [R(loss), {"dict": {}}]})]
+    return {"name": "evil", "inputs": [{"name": "logprobs", "rank": 1}, {"name": "weights", "rank": 1}],
+            "graph": {"format": 1, "nodes": nodes}}
+
+
+def _deep(n: int):
+    return [_deep(n - 1)] if n else 1
+
+
+# Each refused naming the node 'bad' (or, for the output, 'output'). "create": by compile_loss alone;
+# "run": when it meets a datum (the engine's dry run, before the batch).
+HOSTILE = {
+    "eval": ("create", graph(fn_node("bad", "builtins.eval", "__import__('os')"))),
+    "bare eval": ("create", graph(fn_node("bad", "eval", "1"))),
+    "exec": ("create", graph(fn_node("bad", "exec", "import os"))),
+    "import": ("create", graph(fn_node("bad", "builtins.__import__", "os"))),
+    "importlib": ("create", graph(fn_node("bad", "importlib.import_module", "subprocess"))),
+    "os.system": ("create", graph(fn_node("bad", "os.system", "touch /tmp/pwned"))),
+    "open": ("create", graph(fn_node("bad", "open", "/etc/passwd"))),
+    "subprocess": ("create", graph(fn_node("bad", "subprocess.Popen", ["sh"]))),
+    "socket": ("create", graph(fn_node("bad", "socket.create_connection", {"tuple": ["example.com", 80]}))),
+    "torch.load": ("create", graph(fn_node("bad", "torch.load", "/tmp/x.pt"))),
+    "torch.save": ("create", graph(fn_node("bad", "torch.save", R("logprobs"), "/tmp/x.pt"))),
+    "torch.from_file": ("create", graph(fn_node("bad", "torch.from_file", "/etc/passwd"))),
+    "aten op": ("create", graph(fn_node("bad", "torch.ops.aten.exp.default", R("logprobs")))),
+    "getattr dunder": ("create", graph(fn_node("bad", "getattr", R("logprobs"), "__class__"))),
+    "getattr globals": ("create", graph(fn_node("bad", "getattr", R("logprobs"), "__globals__"))),
+    "getattr on a string": ("create", graph(fn_node("bad", "getattr", "torch", "load"))),
+    "reduce": ("create", graph(method("bad", "__reduce_ex__", R("logprobs"), 2))),
+    "in-place": ("create", graph(method("bad", "exp_", R("weights")))),
+    "backward": ("create", graph(method("bad", "backward", R("logprobs")))),
+    "numpy": ("create", graph(method("bad", "numpy", R("logprobs")))),
+    "to device": ("create", graph(method("bad", "to", R("logprobs"), "cuda:1"))),
+    "device argument": ("create", graph(fn_node("bad", "torch.zeros", 3, device={"device": "cpu"}))),
+    "out=": ("create", graph(fn_node("bad", "torch.exp", R("weights"), out=R("weights")))),
+    "setitem": ("create", graph(fn_node("bad", "operator.setitem", R("weights"), 0, 1.0))),
+    "get_attr": ("create", graph(node("get_attr", "bad", "_tensor_constant0"))),
+    "call_module": ("create", graph(node("call_module", "bad", "linear", R("logprobs")))),
+    "unknown encoding": ("create", graph(fn_node("bad", "torch.exp", {"pickle": "gASVAAAA"}))),
+    "forward ref": ("create", graph(fn_node("bad", "torch.exp", R("loss")))),
+    "nested bomb": ("create", graph(fn_node("bad", "torch.tensor", _deep(50)))),
+    "string argument": ("create", graph(fn_node("bad", "torch.exp", R("logprobs"), "x"))),
+    "gather": ("create", graph(fn_node("bad", "torch.gather", R("logprobs"), 0, R("weights")))),
+    "to a tensor": ("run", graph(method("bad", "to", R("logprobs"), R("weights")))),
+    "zeros 1e10": ("run", graph(fn_node("bad", "torch.zeros", 10**10))),
+    "full huge": ("run", graph(fn_node("bad", "torch.full", {"tuple": [100000, 100000]}, 1.0))),
+    "arange huge": ("run", graph(fn_node("bad", "torch.arange", 10**12))),
+    "expand huge": ("run", graph(method("bad", "expand", R("logprobs"), 10**6, -1))),
+    "repeat huge": ("run", graph(method("bad", "repeat", R("logprobs"), 10**7))),
+    "integer power": ("run", graph(fn_node("bad", "operator.pow", 10, 10**6))),
+    "index tensor": ("run", graph(fn_node("idx", "torch.zeros", 10**4, dtype={"dtype": "int64"}),
+                                  fn_node("bad", "operator.getitem", R("logprobs"), R("idx")))),
+    "list repetition": ("run", graph(fn_node("bad", "operator.mul", [0] * 60, 10**9))),
+    "shape repetition": ("run", graph(fn_node("shape", "getattr", R("logprobs"), "shape"),
+                                      fn_node("bad", "operator.mul", R("shape"), 10**9))),
+    "complex": ("run", graph(fn_node("bad", "operator.pow", -8, 0.5))),
+    "shape error": ("run", graph(fn_node("z", "torch.zeros", 3), fn_node("bad", "operator.add", R("logprobs"), R("z")))),
+}
+
+
+def test_a_graph_failing_only_on_real_values_fails_alone_in_its_batch(engine, tiny_llama):
+    """The dry run (log-probs -1) cannot see a shape that depends on values; the batch isolates it."""
+    a, b = two_runs(engine, tiny_llama)
+    data = engine_data("weighted_nll")
+    value_shaped = graph(method("mean", "mean", R("logprobs")), fn_node("mask", "operator.le", R("logprobs"), R("mean")),
+                         fn_node("picked", "operator.getitem", R("logprobs"), R("mask")),
+                         fn_node("bad", "operator.add", R("picked"), R("weights")))
+    ce = [Datum(d.token_ids, {"target_tokens": d.loss_inputs["target_tokens"]}) for d in data]
+    engine.validate(ForwardRequest(a, data, "custom", value_shaped), backward=True)  # the dry run passes it
+    alone = engine.forward(b, ce)
+    engine.get_run(b).grads.clear()
+    failed, ok = engine.run_batch([ForwardRequest(a, data, "custom", value_shaped), ForwardRequest(b, ce)],
+                                  backward=True)
+    assert isinstance(failed, InvalidInput) and "'bad'" in failed.message and failed.datum_index == 0
+    assert "failed" in failed.message  # at run time, not by the dry run's bound checks
+    assert ok.loss == pytest.approx(alone.loss, rel=1e-5)
+    assert not engine.get_run(a).grads and engine.get_run(b).grads
+
+
+def test_non_scalar_output_and_bad_metric_names_are_refused(engine, tiny_llama):
+    run = new_run_id()
+    engine.create_run(run, tiny_llama, LORA)
+    data = engine_data("weighted_nll")
+    vector = graph(fn_node("twice", "operator.mul", R("logprobs"), 2), loss="twice")
+    with pytest.raises(InvalidInput) as e:
+        engine.forward(run, data, "custom", vector)
+    assert "'output'" in e.value.message and "scalar" in e.value.message
+    shadow = graph()
+    shadow["graph"]["nodes"][-1]["args"] = [{"tuple": [R("loss"), {"dict": {"loss:sum": R("loss")}}]}]
+    with pytest.raises(InvalidInput) as e:
+        compile_loss(shadow)
+    assert "'output'" in e.value.message and "loss:sum" in e.value.message
+
+
+def test_too_many_nodes_is_refused_naming_the_first_over_the_limit():
+    body = [fn_node(f"n{i}", "torch.exp", R("logprobs")) for i in range(MAX_NODES)]
+    with pytest.raises(InvalidInput) as e:
+        compile_loss(graph(*body))
+    assert f"node {MAX_NODES}" in e.value.message and f"at most {MAX_NODES}" in e.value.message
+
+
+def test_hostile_graphs_are_refused_naming_the_node_and_the_engine_trains_after(engine, tiny_llama):
+    assert len(HOSTILE) >= 20
+    run = new_run_id()
+    engine.create_run(run, tiny_llama, LORA)
+    data = engine_data("weighted_nll")
+    for label, (stage, spec) in HOSTILE.items():
+        if stage == "create":
+            with pytest.raises(InvalidInput) as e:
+                compile_loss(spec)
+        else:
+            compile_loss(spec)  # well-formed: refused when it meets a datum
+            with pytest.raises(InvalidInput) as e:
+                engine.forward_backward(run, data, "custom", spec)
+        assert "'bad'" in e.value.message, (label, e.value.message)
+    assert not engine.get_run(run).grads  # nothing refused left a gradient
+    # Unharmed: a real custom loss still trains.
+    fn, ranks, _ = CASES["weighted_nll"]
+    before = engine.forward(run, data, "custom", definition(fn, ranks)).loss
+    engine.forward_backward(run, data, "custom", definition(fn, ranks))
+    engine.optim_step(run, {"learning_rate": 0.05})
+    after = engine.forward(run, data, "custom", definition(fn, ranks)).loss
+    assert np.isfinite(after) and after < before
