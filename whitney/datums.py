@@ -1,9 +1,15 @@
 """Building datums in the wire format ({input: {token_ids}, loss_inputs: {name: {dtype, shape, values}}}).
 
-Standard library only, so a client needs nothing else.
+Standard library only, so a client needs nothing else. Conversations are rendered by the server, with the
+served model's own tokenizer and chat template (`render_chat`, `POST /v1/chat/render`), and `chat_datum`
+trains on the assistant messages' tokens, end-of-turn tokens included, whatever the template writes.
 """
 
 from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
 
 
 def tensor(values: list, dtype: str, shape: list[int] | None = None) -> dict:
@@ -57,3 +63,29 @@ def soft_target_datum(input_tokens: list[int], candidates: list[list[int]], prob
         raise ValueError("candidates and probs need one row per input token")
     return {"input": {"token_ids": input_tokens},
             "loss_inputs": {"target_tokens": tensor(candidates, "int64"), "weights": tensor(probs, "float32")}}
+
+
+def render_chat(base_url: str, messages: list[dict], model: str | None = None, api_key: str | None = None,
+                timeout: float = 60.0) -> dict:
+    """The server's rendering of a conversation with the model's own chat template (POST /v1/chat/render):
+    {model, tokens, assistant_mask}. `model`: a served base model (default the server's first), a run's
+    "<run_id>@<version>" or a checkpoint id (their base model's template)."""
+    body = json.dumps({"messages": messages, **({"model": model} if model else {})}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(base_url.rstrip("/") + "/v1/chat/render", body, headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"POST /v1/chat/render: {e.code} {e.read().decode(errors='replace')}") from None
+
+
+def chat_datum(rendering: dict) -> dict:
+    """An SFT datum from a rendered conversation ({tokens, assistant_mask}, as `render_chat` returns it):
+    right-shifted, weight 1 on predicting each assistant token, 0 elsewhere."""
+    tokens, mask = rendering["tokens"], rendering["assistant_mask"]
+    if len(tokens) != len(mask) or len(tokens) < 2 or not any(mask[1:]):
+        raise ValueError("a chat datum needs at least two tokens and an assistant message after the first token")
+    return {"input": {"token_ids": tokens[:-1]},
+            "loss_inputs": {"target_tokens": tensor(tokens[1:], "int64"),
+                            "weights": tensor([float(m) for m in mask[1:]], "float32")}}

@@ -16,7 +16,7 @@ import pytest
 
 from whitney.engine import AdamParams, Datum, DatumOutput, ForwardResult
 from whitney.engine.backend import Backend, EngineConfig, Failure, InProcessBackend, ModelInfo, Weights
-from whitney.engine.sampler import SampledSequence, SampleResult, SamplingParams
+from whitney.engine.sampler import SampledSequence, SampleProgress, SampleResult, SamplingParams
 from whitney.errors import InvalidInput, NotFound
 from whitney.service.jobs import ForwardJob, OptimJob, SaveJob
 from whitney.service.scheduler import Scheduler
@@ -108,17 +108,19 @@ class FakeBackend:
     def compute_logprobs(self, sequences, weights):
         return [[None] + [-1.0] * (len(s) - 1) for s in sequences]
 
-    def submit_sample(self, request_id, prompt, params, weights) -> None:
-        self.samples[request_id] = [prompt, params, []]
+    def submit_sample(self, request_id, prompt, params, weights, stream=False) -> None:
+        self.samples[request_id] = [prompt, params, [], stream]
 
     def sample_step(self):
         ended = []
-        for request_id, (prompt, params, tokens) in list(self.samples.items()):
+        for request_id, (prompt, params, tokens, stream) in list(self.samples.items()):
             if POISON in prompt:
                 ended.append((request_id, Failure.of(InvalidInput("poison prompt", field="prompt"))))
             else:
                 tokens.append(len(tokens))
                 if len(tokens) < params.max_tokens:
+                    if stream:
+                        ended.append((request_id, SampleProgress([[tokens[-1]]], [[-1.0]])))
                     continue
                 ended.append((request_id, SampleResult([SampledSequence(tokens, [-1.0] * len(tokens), "length")])))
             del self.samples[request_id]
@@ -127,6 +129,15 @@ class FakeBackend:
     def take_lost_runs(self) -> list[str]:
         lost, self.lost = self.lost, []
         return lost
+
+    def render_chat(self, base_model, messages, add_generation_prompt=True, mark_assistant=False):
+        raise InvalidInput("the fake model has no chat template", field="messages")
+
+    def encode(self, base_model, text) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def decode(self, base_model, sequences, skip_special_tokens=True) -> list[str]:
+        return [" ".join(map(str, s)) for s in sequences]
 
     @property
     def sampling(self) -> int:
@@ -229,6 +240,28 @@ def test_sampling_by_request_id_with_one_failure(fake):
     assert bad["status"] == "failed" and bad["error"]["field"] == "prompt"
     for op in (good, other):
         assert op["status"] == "succeeded" and op["result"]["sequences"][0]["tokens"] == [0, 1, 2]
+
+
+def test_a_streaming_sample_reports_each_token_before_it_ends(fake):
+    """The listener gets every token chosen before the end, in order, and then the end (the result stored)."""
+    import asyncio
+
+    backend, scheduler, _, _ = fake
+    op, _ = scheduler.store.submit_operation("me", None, None, "sample", "")
+    listener = scheduler.submit_sample(op, [1], SamplingParams(max_tokens=5), Weights(base_model="fake"), stream=True)
+
+    async def drain() -> list[int]:
+        seen = []
+        while True:
+            reports, ended = await listener.get(timeout=5)
+            for report in reports:
+                seen += report.tokens[0]
+            if ended:
+                return seen
+
+    assert asyncio.run(drain()) == [0, 1, 2, 3]  # the fifth ends the request: it is in the result only
+    assert wait(scheduler.store, op)["result"]["sequences"][0]["tokens"] == [0, 1, 2, 3, 4]
+    assert op["id"] not in scheduler._streams
 
 
 def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):

@@ -14,7 +14,15 @@ no exception objects in results), so a backend can live in this process (`InProc
   optim_step, save_state, load_state, save_weights, export_lora
   save_weights_for_sampler(run_id, path) -> version: frozen, written to `path`, loadable everywhere
   compute_logprobs(sequences, weights)
-  submit_sample(request_id, prompt, params, weights); sample_step() -> [(request_id, result | Failure)]
+  submit_sample(request_id, prompt, params, weights, stream=False); sample_step() -> [(request_id, result |
+                                  Failure | SampleProgress)]: a request's end, or (streaming requests only)
+                                  the tokens it chose since its last report; a request's progress always
+                                  comes before its end
+  render_chat(base_model, messages, add_generation_prompt, mark_assistant) -> ChatTokens: the model's own
+                                  chat template, tokenized (engine/chat.py)
+  encode(base_model, text) -> [int]; decode(base_model, sequences, skip_special_tokens) -> [str]: the
+                                  model's own tokenizer; like render_chat, callable from any thread (no
+                                  engine state)
   take_lost_runs()                runs whose worker died since the last call (their state is gone)
   close()                         stop the workers
   sampling                        sampling requests in flight (the metrics' batch occupancy)
@@ -32,13 +40,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from whitney.engine import chat
 from whitney.engine.config import EngineConfig
-from whitney.engine.lora import LoraConfig, adaptable_short_names, validate_lora_config
+from whitney.engine.lora import LoraConfig, adaptable_short_names, lora_numel, validate_lora_config
 from whitney.engine.model import COMPUTE_DTYPES, BaseModel
 from whitney.engine.optim import AdamParams
 from whitney.engine.requests import ForwardRequest, ForwardResult
 from whitney.engine.runs import Engine
-from whitney.engine.sampler import SampleRequest, SampleResult, SamplingParams
+from whitney.engine.sampler import SampleProgress, SampleRequest, SampleResult, SamplingParams
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
 
 BYTES_PER_PARAMETER = 16  # a float32 LoRA weight, AdamW's two moments, and the gradient accumulator
@@ -56,7 +65,7 @@ class ModelInfo:
     compute_dtype: str  # resolved: "float32" or "bfloat16"
     device: str  # resolved: "cpu" or "cuda:N"
     eos_token_ids: tuple[int, ...]
-    linear_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # path -> (in, out)
+    linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # path -> (in, out[, E])
     weight_bytes: int = 0  # the frozen base's tensors held by the worker (its shard, when sharded)
 
     @classmethod
@@ -92,7 +101,7 @@ def adapter_bytes(linear_shapes: dict[str, tuple[int, int]], lora: LoraConfig, m
     """Memory one run of this LoRA config holds on a model with these adaptable linears (validates the
     config: InvalidInput)."""
     paths = validate_lora_config(lora, linear_shapes, max_rank)
-    return BYTES_PER_PARAMETER * lora.rank * sum(sum(linear_shapes[p]) for p in paths)
+    return BYTES_PER_PARAMETER * sum(lora_numel(linear_shapes[p], lora.rank) for p in paths)
 
 
 class WorkerLost(RuntimeError):
@@ -171,8 +180,13 @@ class Backend(Protocol):
     def export_lora(self, run_id: str, path: str) -> None: ...
     def save_weights_for_sampler(self, run_id: str, path: str) -> int: ...
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]: ...
-    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights) -> None: ...
-    def sample_step(self) -> list[tuple[str, SampleResult | Failure]]: ...
+    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
+                      stream: bool = False) -> None: ...
+    def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]: ...
+    def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
+                    mark_assistant: bool = False) -> chat.ChatTokens: ...
+    def encode(self, base_model: str, text: str) -> list[int]: ...
+    def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]: ...
     def take_lost_runs(self) -> list[str]: ...
     def close(self) -> None: ...
     @property
@@ -272,12 +286,16 @@ class InProcessBackend:
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]:
         return self.engine.compute_logprobs(sequences, **weights.as_kwargs())
 
-    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights) -> None:
-        self._samples[request_id] = self.engine.submit_sample(prompt, params, **weights.as_kwargs())
+    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
+                      stream: bool = False) -> None:
+        request = self.engine.submit_sample(prompt, params, **weights.as_kwargs())
+        request.stream = stream  # before its first step, which runs on this same thread
+        self._samples[request_id] = request
 
-    def sample_step(self) -> list[tuple[str, SampleResult | Failure]]:
-        """One admit + decode step; the requests that ended in it. A failure of the step itself (a bug in
-        the shared decode pass) fails every request in flight and starts the samplers afresh."""
+    def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
+        """One admit + decode step; the requests that ended in it, and the progress of streaming ones that
+        did not. A failure of the step itself (a bug in the shared decode pass) fails every request in flight
+        and starts the samplers afresh."""
         if not self._samples:
             return []
         try:
@@ -294,9 +312,30 @@ class InProcessBackend:
             elif request.done:
                 ended.append((request_id, request.result))
             else:
+                progress = request.take_progress()
+                if progress is not None:
+                    ended.append((request_id, progress))
                 continue
             del self._samples[request_id]
         return ended
+
+    def tokenizer(self, base_model: str):
+        """A loaded model's own tokenizer (RayBackend fetches it once from a worker); never loads a model."""
+        base = self.engine.models.get(base_model)
+        if base is None:
+            raise InvalidInput(f"base model {base_model!r} is not served here", field="base_model")
+        return base.tokenizer
+
+    def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
+                    mark_assistant: bool = False) -> chat.ChatTokens:
+        return chat.render_chat(self.tokenizer(base_model), base_model, messages, add_generation_prompt,
+                                mark_assistant)
+
+    def encode(self, base_model: str, text: str) -> list[int]:
+        return chat.encode(self.tokenizer(base_model), text)
+
+    def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return chat.decode(self.tokenizer(base_model), sequences, skip_special_tokens)
 
     def take_lost_runs(self) -> list[str]:
         return []  # the engine lives and dies with this process

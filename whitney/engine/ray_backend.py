@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from whitney.engine import chat
 from whitney.engine.backend import Failure, ModelInfo, Weights, WorkerLost, adapter_bytes, raise_failure
 from whitney.engine.checkpoint import read_manifest
 from whitney.engine.config import EngineConfig
@@ -42,7 +43,7 @@ from whitney.engine.lora import LoraConfig
 from whitney.engine.optim import AdamParams
 from whitney.engine.ray_worker import ModelWorker, Placement, Raised
 from whitney.engine.requests import ForwardRequest, ForwardResult, check_request
-from whitney.engine.sampler import SampleResult, SamplingParams
+from whitney.engine.sampler import SampleProgress, SampleResult, SamplingParams
 from whitney.errors import InvalidInput, NotFound, Unavailable, WhitneyError
 
 HEARTBEAT_SECONDS = 2.0  # how often an idle worker is asked whether it is the same process
@@ -101,6 +102,8 @@ class RayBackend:
         self._run_model: dict[str, str] = {}
         self._versions: dict[tuple[str, int], str] = {}  # (run, version) -> its state file directory
         self._lost: list[str] = []
+        self._tokenizers: dict[str, Any] = {}  # model -> its tokenizer, fetched once from its trainer
+        self._tokenizer_lock = threading.Lock()
         actor = ray.remote(ModelWorker)
         try:
             for p in placements:
@@ -364,15 +367,17 @@ class RayBackend:
         worker, weights = self._sampling_worker(weights)
         return self._call(worker, "compute_logprobs", sequences, weights)
 
-    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights) -> None:
+    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
+                      stream: bool = False) -> None:
         worker, weights = self._sampling_worker(weights)
-        self._call(worker, "submit_sample", request_id, prompt, params, weights)
+        self._call(worker, "submit_sample", request_id, prompt, params, weights, stream)
         with self._lock:
             worker.inflight.add(request_id)
 
-    def sample_step(self) -> list[tuple[str, SampleResult | Failure]]:
+    def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
         """Keep one decode call outstanding on every worker with requests in flight; wait briefly for one
-        to answer; the requests that ended (those of a worker that died: WorkerLost)."""
+        to answer; the streaming requests' progress and the requests that ended (those of a worker that
+        died: WorkerLost)."""
         with self._lock:
             busy = [w for w in self._workers() if w.inflight]
             for w in busy:
@@ -392,8 +397,30 @@ class RayBackend:
             except WorkerLost as e:
                 ended += [(request_id, Failure.of(e)) for request_id in worker.inflight]
             with self._lock:
-                worker.inflight -= {request_id for request_id, _ in ended}
+                worker.inflight -= {r for r, outcome in ended if not isinstance(outcome, SampleProgress)}
         return ended
+
+    # ---- the model's tokenizer, here in the control plane ----------------------------------------------
+
+    def _tokenizer(self, base_model: str):
+        """The model's own tokenizer, fetched from its trainer once (pickled, so no node needs the model's
+        files but the workers); later calls never leave this process."""
+        model = self._model(base_model)
+        with self._tokenizer_lock:
+            if model not in self._tokenizers:
+                self._tokenizers[model] = self._call(self._trainers[model], "tokenizer", model)
+            return self._tokenizers[model]
+
+    def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
+                    mark_assistant: bool = False) -> chat.ChatTokens:
+        return chat.render_chat(self._tokenizer(base_model), base_model, messages, add_generation_prompt,
+                                mark_assistant)
+
+    def encode(self, base_model: str, text: str) -> list[int]:
+        return chat.encode(self._tokenizer(base_model), text)
+
+    def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return chat.decode(self._tokenizer(base_model), sequences, skip_special_tokens)
 
     @property
     def sampling(self) -> int:

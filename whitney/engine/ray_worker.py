@@ -15,7 +15,7 @@ from typing import Any
 
 from whitney.engine.backend import Failure, InProcessBackend, ModelInfo
 from whitney.engine.config import EngineConfig
-from whitney.engine.sampler import SampleResult
+from whitney.engine.sampler import SampleProgress, SampleResult
 from whitney.errors import InvalidInput, WhitneyError
 
 
@@ -122,13 +122,24 @@ class ModelWorker:
         except WhitneyError as e:
             return Raised(Failure.of(e))
 
-    def sample_steps(self, seconds: float) -> list[tuple[str, SampleResult | Failure]]:
-        """Decode steps until a request ends or `seconds` pass (0: one step); the requests that ended."""
+    def sample_steps(self, seconds: float) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
+        """Decode steps until a request ends or `seconds` pass (0: one step): the streaming requests'
+        progress over those steps (one report each), then the requests that ended (whose results hold
+        every token, so a request that ended reports no progress)."""
         start = time.monotonic()
+        progress: dict[str, SampleProgress] = {}
         while True:
-            ended = self.backend.sample_step()
+            ended = []
+            for request_id, outcome in self.backend.sample_step():
+                if not isinstance(outcome, SampleProgress):
+                    ended.append((request_id, outcome))
+                elif request_id in progress:
+                    progress[request_id].extend(outcome)
+                else:
+                    progress[request_id] = outcome
             if ended or not self.backend.sampling or time.monotonic() - start >= seconds:
-                return ended
+                done = {request_id for request_id, _ in ended}
+                return [(r, p) for r, p in progress.items() if r not in done] + ended
 
     def warm(self, checkpoint_path: str) -> None:
         """Load a frozen version (checksums verified) so the first sample on it does not wait."""

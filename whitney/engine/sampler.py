@@ -13,6 +13,10 @@ Log-probs: each generated token's log-prob is log_softmax(logits) of the model a
 whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
 training `forward` give for that token, which is what an importance ratio against the learner needs.
 
+Streaming: a request submitted with `stream` set keeps the tokens its rows chose since the last
+`take_progress()` (with their log-probs), so a caller can hand them on while the request still runs; the
+final `result` holds every token either way.
+
 Devices: the cache, the batch and every choice live on the base model's device; each row's generator
 is a CPU generator on every device (one float64 uniform per row per token, copied to the device as one
 [B] tensor): a CUDA generator would cost a kernel and a synchronisation per row per step, and the CPU
@@ -36,6 +40,7 @@ from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, u
 from whitney.errors import check
 
 MAX_TOPK_PROMPT_LOGPROBS = 100
+MAX_TOP_LOGPROBS = 20  # alternatives reported per generated token (OpenAI's bound)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class SamplingParams:
     num_samples: int = 1
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    top_logprobs: int = 0  # the k most likely tokens (and their log-probs) at each generated position
 
 
 @dataclass
@@ -56,6 +62,24 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]  # [len(tokens)] log-prob of each generated token at temperature 1
     stop_reason: str  # "stop" | "length"
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # [len(tokens)] of k (token, logprob), if asked
+
+
+@dataclass
+class SampleProgress:
+    """A streaming request's tokens chosen since its last report, per sample ([num_samples] lists, some
+    maybe empty), with their log-probs and (if asked) their top alternatives."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+    def extend(self, later: "SampleProgress") -> None:
+        """Append a later report of the same request to this one."""
+        for mine, theirs in ((self.tokens, later.tokens), (self.logprobs, later.logprobs),
+                             (self.top_logprobs, later.top_logprobs)):
+            for a, b in zip(mine or (), theirs or ()):
+                a.extend(b)
 
 
 @dataclass
@@ -78,6 +102,23 @@ class SampleRequest:
     result: SampleResult | None = None
     pending: int = 0  # rows still running
     error: Exception | None = None  # this request alone failed; its rows have left the batch
+    stream: bool = False  # keep what is chosen for `take_progress` (set before its first step)
+    fresh: SampleProgress | None = None  # chosen since the last take_progress
+
+    def take_progress(self) -> SampleProgress | None:
+        """The tokens chosen since the last call (None when there are none), and start afresh."""
+        fresh, self.fresh = self.fresh, None
+        return fresh
+
+    def _note(self, index: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
+        if self.fresh is None:
+            n = self.params.num_samples
+            self.fresh = SampleProgress([[] for _ in range(n)], [[] for _ in range(n)],
+                                        [[] for _ in range(n)] if self.params.top_logprobs else None)
+        self.fresh.tokens[index].append(token)
+        self.fresh.logprobs[index].append(logprob)
+        if self.fresh.top_logprobs is not None:
+            self.fresh.top_logprobs[index].append(top)
 
     @property
     def done(self) -> bool:
@@ -95,6 +136,7 @@ class _Row:
     generator: torch.Generator  # on the CPU (see the module docstring)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when the request asks for them
 
 
 def _int(v) -> bool:
@@ -132,6 +174,8 @@ def validate(prompt: list[int], params: SamplingParams, model, max_samples: int)
     k, k_max = params.topk_prompt_logprobs, min(MAX_TOPK_PROMPT_LOGPROBS, vocab)
     check(_int(k) and 0 <= k <= k_max,
           f"topk_prompt_logprobs must be from 0 to {k_max}, got {k!r}", field="topk_prompt_logprobs")
+    k, k_max = params.top_logprobs, min(MAX_TOP_LOGPROBS, vocab)
+    check(_int(k) and 0 <= k <= k_max, f"top_logprobs must be from 0 to {k_max}, got {k!r}", field="top_logprobs")
     check(params.stop is None or isinstance(params.stop, (list, tuple)),
           f"stop must be a list of strings, token ids or token-id lists, got {params.stop!r}", field="stop")
     for s in params.stop or ():
@@ -213,6 +257,7 @@ class Sampler:
         self.cache = KVCache.empty(base)
         self.device = base.device  # the cache, the batch and the choices; generators stay on the CPU
         self._pending_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] last sampled, not cached
+        self._top: dict[int, list[tuple[int, float]]] = {}  # the last _choose's rows' top alternatives, if asked
 
     def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> SampleRequest:
         """Validate and queue a request; it runs on the next steps. Excess requests wait, never fail."""
@@ -343,6 +388,7 @@ class Sampler:
         uniforms: a request whose choice fails gets the error (its rows leave in _record), and every
         other row's token is what it would have been."""
         u = uniforms(rows)  # [B], drawn once, so a retry leaves every generator where it was
+        self._top = _top_logprobs(logits, rows)
         try:
             return next_tokens(logits, rows, u)
         except Exception:
@@ -370,6 +416,11 @@ class Sampler:
                 continue
             row.tokens.append(token)
             row.logprobs.append(lp)
+            top = self._top.get(b - first)
+            if top is not None:
+                row.top_logprobs.append(top)
+            if row.request.stream:
+                row.request._note(row.index, token, lp, top)
             try:
                 reason = self._stop_reason(row)
             except Exception as e:  # e.g. the tokenizer on this row's tokens: this request alone fails
@@ -379,7 +430,8 @@ class Sampler:
                 keep.append(b)
                 continue
             # Samples keep their index order whatever order they finish in.
-            row.request.result.sequences[row.index] = SampledSequence(row.tokens, row.logprobs, reason)
+            row.request.result.sequences[row.index] = SampledSequence(
+                row.tokens, row.logprobs, reason, row.top_logprobs if row.request.params.top_logprobs else None)
             row.request.pending -= 1
         keep = [b for b in keep if self.rows[b].request.error is None]  # a request failing above: all its rows
         if len(keep) < len(self.rows):
@@ -400,6 +452,19 @@ class Sampler:
         if len(tokens) >= req.params.max_tokens:
             return "length"
         return None
+
+
+def _top_logprobs(logits: torch.Tensor, rows: list[_Row]) -> dict[int, list[tuple[int, float]]]:
+    """For each row b whose request asks for top_logprobs k: the k most likely (token, log-prob) under
+    log_softmax(logits[b]) (temperature 1, as every reported log-prob). logits: [B, V]."""
+    want = [b for b, r in enumerate(rows) if r.request.params.top_logprobs > 0]
+    if not want:
+        return {}
+    k = max(rows[b].request.params.top_logprobs for b in want)
+    index = torch.tensor(want, device=logits.device)
+    top = torch.topk(full_logprobs(logits[index]), k, dim=-1)  # [W, k]
+    ids, values = top.indices.tolist(), top.values.tolist()
+    return {b: list(zip(ids[i], values[i]))[:rows[b].request.params.top_logprobs] for i, b in enumerate(want)}
 
 
 def _adapter_groups(rows: list[_Row], device: torch.device) -> RowGroups:

@@ -1,8 +1,10 @@
 """The scheduler's bookkeeping: a run's queue of operations by seq_id, an operation part-way through its
-micro-batches, a compute_logprobs request scored chunk by chunk, and a worker thread's lane of calls."""
+micro-batches, a compute_logprobs request scored chunk by chunk, a worker thread's lane of calls, and a
+streaming sample's reports on their way to the HTTP request that waits for them."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 from dataclasses import dataclass, field
@@ -10,7 +12,8 @@ from typing import Callable
 
 from whitney.engine import ForwardResult
 from whitney.engine.backend import Weights
-from whitney.service.jobs import Job
+from whitney.engine.sampler import SampleProgress, SampleResult
+from whitney.service.jobs import Job, sample_result_dict
 
 
 @dataclass
@@ -55,3 +58,62 @@ class Scoring:
     weights: Weights
     done: int = 0
     logprobs: list = field(default_factory=list)
+
+
+class SampleStream:
+    """A streaming sample's progress reports, from the sampling thread (`put`, `end`) to the event loop of
+    the HTTP request that streams them (`get`). Thread-safe; nothing is dropped or reordered."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reports: list[SampleProgress] = []
+        self._ended = False
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+
+    def put(self, report: SampleProgress) -> None:
+        with self._lock:
+            self._reports.append(report)
+            self._wake()
+
+    def end(self) -> None:
+        """The operation is terminal (its result or error is in the store): no report follows."""
+        with self._lock:
+            self._ended = True
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            loop, future = self._waiter
+            self._waiter = None
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+            except RuntimeError:  # the request's loop has closed: nobody is listening
+                pass
+
+    async def get(self, timeout: float) -> tuple[list[SampleProgress], bool]:
+        """The reports since the last call (waiting up to `timeout` seconds for one), and whether the
+        operation has ended (then every report has been handed out)."""
+        future = None
+        with self._lock:
+            if not self._reports and not self._ended:
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+                self._waiter = (loop, future)
+        if future is not None:
+            try:
+                await asyncio.wait_for(future, timeout)
+            except asyncio.TimeoutError:
+                pass
+        with self._lock:
+            self._waiter = None
+            reports, self._reports = self._reports, []
+            return reports, self._ended
+
+
+def sample_result(result: SampleResult) -> dict:
+    """A sample's stored result: `sample_result_dict`, with each sequence's top_logprobs where asked for."""
+    out = sample_result_dict(result)
+    for wire, sequence in zip(out["sequences"], result.sequences):
+        if sequence.top_logprobs is not None:
+            wire["top_logprobs"] = sequence.top_logprobs
+    return out

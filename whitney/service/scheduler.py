@@ -11,7 +11,8 @@ scoring (compute_logprobs) by one chunk, so none of them stalls the others for l
 sampling runs apart from training (`separate_sampling`: the Ray backend's sampler workers) gets a second
 thread for sampling and scoring instead, so neither waits for the other. Runs the backend lost with a
 dying worker are interrupted and their waiting operations fail with `worker_lost`. Each terminal
-state is written to the store, then waiters are woken.
+state is written to the store, then waiters are woken. A streaming sample's new tokens go to its
+listener (`SampleStream`) as each sampling step reports them; its end follows the stored result.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from typing import Any, Callable
 
 from whitney.engine import ForwardRequest, LoraConfig, merge_results
 from whitney.engine.backend import Backend, Failure, Weights
-from whitney.engine.sampler import SamplingParams
+from whitney.engine.sampler import SampleProgress, SamplingParams
 from whitney.errors import InvalidInput
 from whitney.service.jobs import (ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob, forward_result_dict,
-                                  public_package, sample_result_dict)
+                                  public_package)
 from whitney.service.lifecycle import (OPERATION_TERMINAL, RUN_OPEN, OperationKind, OperationStatus, RunStatus,
                                        SessionStatus)
 from whitney.service.limits import plan_micro_batches
-from whitney.service.queues import Lane, Progress, RunQueue, Scoring
+from whitney.service.packages import reap
+from whitney.service.queues import Lane, Progress, RunQueue, SampleStream, Scoring, sample_result
 from whitney.service.store import Store, new_id
 
 log = logging.getLogger("whitney.scheduler")
@@ -53,6 +55,7 @@ class Scheduler:
         self.session_timeout = session_timeout
         self._runs: dict[str, RunQueue] = {}
         self._samples: dict[str, dict] = {}  # operation id (the backend's request id) -> operation
+        self._streams: dict[str, SampleStream] = {}  # streaming samples' listeners, by operation id
         self._scoring: list[Scoring] = []
         self._calls_made = 0  # engine training calls so far (the fairness clock)
         self._lock = threading.RLock()  # _finalize notifies waiters while holding it
@@ -107,17 +110,30 @@ class Scheduler:
             queue.pending[operation["seq_id"]] = (operation, job)
         self._training.wake.set()
 
-    def submit_sample(self, operation: dict, prompt: list[int], params: SamplingParams, weights: Weights) -> None:
-        """Queue a sampling operation; the backend knows it by the operation's id."""
+    def submit_sample(self, operation: dict, prompt: list[int], params: SamplingParams, weights: Weights,
+                      stream: bool = False) -> SampleStream | None:
+        """Queue a sampling operation; the backend knows it by the operation's id. With `stream`, the
+        tokens reach the returned listener as they are chosen (its end: the operation is terminal)."""
+        listener = SampleStream() if stream else None
+        if listener is not None:
+            with self._lock:
+                self._streams[operation["id"]] = listener
+
         def start() -> None:
             try:
-                self.backend.submit_sample(operation["id"], prompt, params, weights)
+                self.backend.submit_sample(operation["id"], prompt, params, weights, stream=stream)
             except BaseException as e:
                 self._finish(operation, error=e)
                 return
             self.store.set_operation(operation["id"], OperationStatus.RUNNING)
             self._samples[operation["id"]] = operation
         self.call(start, self._sampling)
+        return listener
+
+    def drop_stream(self, op_id: str) -> None:
+        """Nobody listens any more (the client went away): the sample runs on, its reports are dropped."""
+        with self._lock:
+            self._streams.pop(op_id, None)
 
     def submit_logprobs(self, operation: dict, sequences: list[list[int]], weights: Weights) -> None:
         """Score sequences on the named weights (not in any run's seq_id order), a chunk per iteration."""
@@ -198,6 +214,10 @@ class Scheduler:
                           exc_info=error if isinstance(error, BaseException) else None)
             self.store.set_operation(operation["id"], OperationStatus.FAILED, error=failure.to_dict())
         self._notify(operation["id"])
+        with self._lock:
+            listener = self._streams.pop(operation["id"], None)
+        if listener is not None:
+            listener.end()
 
     def _loop(self) -> None:
         """The training thread: calls, lost runs, one training engine call, (sampling and scoring when they
@@ -415,13 +435,19 @@ class Scheduler:
         if not self._samples:
             return False
         for request_id, outcome in self.backend.sample_step():
+            if isinstance(outcome, SampleProgress):  # a streaming request's new tokens: to its listener
+                with self._lock:
+                    listener = self._streams.get(request_id)
+                if listener is not None:
+                    listener.put(outcome)
+                continue
             op = self._samples.pop(request_id, None)
             if op is None:
                 continue
             if isinstance(outcome, Failure):  # this request alone failed (and left its batch); the others go on
                 self._finish(op, error=outcome)
             else:
-                self._finish(op, result=sample_result_dict(outcome))
+                self._finish(op, result=sample_result(outcome))
         return True
 
     def _run_scoring(self) -> bool:
@@ -458,6 +484,7 @@ class Scheduler:
         if now - self._last_expiry_check < 5.0:
             return
         self._last_expiry_check = now
+        reap(self.store)  # checkpoints past their TTL that no one is reading (packages.py)
         for session_id in self.store.idle_sessions(now - self.session_timeout):
             self.store.end_session(session_id, SessionStatus.EXPIRED)
             for run in self.store.runs_of_session(session_id):

@@ -5,42 +5,41 @@
 
     python examples/training/http/whitney_datums.py pairs.jsonl batch.json [--model NAME_OR_DIR]
 
-reads JSON lines {"prompt": "...", "completion": "..."}, renders them with the model's chat template,
-and writes the ForwardPayload that sl_loop.py sends.
+reads JSON lines {"prompt": "...", "completion": "..."} (or {"messages": [...]}), has the server render each
+conversation with the served model's own tokenizer and chat template (POST /v1/chat/render: the completion's
+end-of-turn tokens are the template's own), and writes the ForwardPayload that sl_loop.py sends. The server is
+$WHITNEY_BASE_URL (default http://127.0.0.1:8000), with $WHITNEY_API_KEY when it needs a key.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from whitney.datums import rl_datum, sft_datum, soft_target_datum, tensor
+from whitney.datums import chat_datum, render_chat, rl_datum, sft_datum, soft_target_datum, tensor
 
-__all__ = ["rl_datum", "sft_datum", "soft_target_datum", "tensor"]
+__all__ = ["chat_datum", "render_chat", "rl_datum", "sft_datum", "soft_target_datum", "tensor"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pairs", help="JSON lines of {prompt, completion}")
+    parser.add_argument("pairs", help="JSON lines of {prompt, completion} or {messages}")
     parser.add_argument("out", help="where to write batch.json")
-    parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=None, help="the served model whose template renders (default: the "
+                                                      "server's first)")
+    parser.add_argument("--base-url", default=os.environ.get("WHITNEY_BASE_URL", "http://127.0.0.1:8000"))
+    parser.add_argument("--api-key", default=os.environ.get("WHITNEY_API_KEY"))
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    from whitney.engine.model import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
     data = []
     with open(args.pairs) as f:
         for line in f:
             if not line.strip():
                 continue
-            pair = json.loads(line)
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": pair["prompt"]}], tokenize=False,
-                                                   add_generation_prompt=True)
-            prompt_tokens = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            completion_tokens = tokenizer(pair["completion"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-            data.append(sft_datum(prompt_tokens, completion_tokens))
+            item = json.loads(line)
+            messages = item.get("messages") or [{"role": "user", "content": item["prompt"]},
+                                                {"role": "assistant", "content": item["completion"]}]
+            data.append(chat_datum(render_chat(args.base_url, messages, args.model, args.api_key)))
     with open(args.out, "w") as f:
         json.dump({"data": data, "loss_function": "cross_entropy", "loss_config": {}}, f)
     print(f"wrote {len(data)} datums to {args.out}")

@@ -1,0 +1,87 @@
+"""A base model's own tokenizer as plain data: conversations rendered with its chat template, tokens decoded.
+
+The service never holds a tokenizer; it asks the backend (`render_chat`, `decode`), which calls these with
+the model's own tokenizer, so a conversation is tokenized exactly as the model was trained to read it.
+
+Assistant spans (for training on conversations): the tokens of assistant message i are those its template
+adds after the conversation up to message i rendered with the generation prompt (`<|im_start|>assistant\\n`
+or whatever the template writes) and up to the end of message i, end-of-turn tokens included: they come
+from the template, never from a hard-coded string. That needs the template to render each shorter
+conversation as a prefix of the longer one; a template that does not (one that rewrites earlier turns)
+is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from whitney.errors import InvalidInput
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """A rendered conversation: its token ids [N] and, when asked for, 1 on each assistant message's tokens
+    (end-of-turn tokens included) and 0 elsewhere [N]."""
+
+    tokens: list[int]
+    assistant_mask: list[int] | None = None
+
+
+def check_messages(messages: list[dict]) -> None:
+    """Each message a {role, content} of known role and string content (InvalidInput naming the message)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("messages must be a non-empty list", field="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise InvalidInput(f"messages[{i}] must be {{role, content}} with role one of {list(ROLES)} and content "
+                               "a string", field=f"messages.{i}")
+
+
+def _text(tokenizer, model: str, messages: list[dict], add_generation_prompt: bool) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidInput(f"model {model!r} has no chat template; send a prompt (POST /v1/completions) instead",
+                           field="messages")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # the template's own checks (roles that must alternate, a system message placed late)
+        raise InvalidInput(f"the chat template of {model!r} refuses these messages: {e}", field="messages") from None
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """The text's token ids; the template wrote every special token (BOS included) itself."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_chat(tokenizer, model: str, messages: list[dict], add_generation_prompt: bool = True,
+                mark_assistant: bool = False) -> ChatTokens:
+    """`messages` rendered with the model's chat template and tokenized; with `mark_assistant`, the mask of
+    the assistant messages' tokens (see the module docstring)."""
+    check_messages(messages)
+    tokens = _encode(tokenizer, _text(tokenizer, model, messages, add_generation_prompt))
+    if not mark_assistant:
+        return ChatTokens(tokens)
+    mask = [0] * len(tokens)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = _encode(tokenizer, _text(tokenizer, model, messages[:i], True)) if i else []
+        upto = _encode(tokenizer, _text(tokenizer, model, messages[:i + 1], False))
+        if upto[:len(start)] != start or tokens[:len(upto)] != upto:
+            raise InvalidInput(f"the chat template of {model!r} does not render the conversation up to message {i} "
+                               "as a prefix of the whole, so its assistant tokens cannot be marked", field="messages")
+        mask[len(start):len(upto)] = [1] * (len(upto) - len(start))
+    return ChatTokens(tokens, mask)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """A plain text prompt's token ids, with the special tokens (a BOS) the tokenizer adds by default."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def decode(tokenizer, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """Each sequence's text (special tokens such as end-of-turn left out unless asked for). Never cleans up
+    spaces, so a text decoded in pieces joins up to the text decoded whole."""
+    return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+            for s in sequences]
