@@ -31,20 +31,9 @@ DOC = ROOT / "docs" / "TINKER_COMPATIBILITY.md"
 
 # Methods whose endpoints Whitney does not serve, and why. Anything else uncovered is simply untested.
 NOT_SERVED = {
-    "copy_weights": "cross-account checkpoint copies (POST /copy_weights)",
     "create_custom_loss": "server-side custom losses; forward_backward_custom with a callable works",
-    "save_weights_external": "external-format exports (use the native export_lora / save_weights)",
-    "get_external_weights_urls": "external-format exports",
-    "publish_checkpoint_from_tinker_path": "public checkpoints",
-    "unpublish_checkpoint_from_tinker_path": "public checkpoints",
-    "set_checkpoint_ttl_from_tinker_path": "checkpoint TTLs (checkpoints never expire here)",
-    "get_billing_usage": "billing",
-    "get_current_checkpoint_storage_usage": "billing",
-    "get_audit_log": "audit logs",
-    "whoami": "accounts",
-    "assign_session_project": "projects",
-    "search_sessions": "session search",
-    "export_session_trace": "session traces",
+    "get_billing_usage": "billing (a self-hosted server bills nobody)",
+    "get_current_checkpoint_storage_usage": "billing (a self-hosted server bills nobody)",
 }
 # Receivers in the tests that are Whitney's native side (whitney.Client, its runs, the store), not the SDK.
 NATIVE_RECEIVERS = ("store", "run", "native", "http", "trained['run']", "trained['client']", "np", "torch",
@@ -174,18 +163,33 @@ NOTES = """## Behaviour worth knowing
 - `forward_backward` bodies are protobuf; forward/forward_backward and sample results go back as protobuf.
   2-D (soft) `target_tokens`/`weights` may be sparse CSR; absent cells are 0.
 - Losses: `cross_entropy`, `importance_sampling`, `ppo` and `cispo` (absolute `clip_low_threshold` /
-  `clip_high_threshold`, default 0.8 / 1.2), `dro` (`beta`). Any other name (`gspo`, `stable_reinforce`,
-  `custom`) fails its future as a user error; so does a per-datum input no loss takes.
+  `clip_high_threshold`, default 0.8 / 1.2), `dro` (`beta`), `gspo` (GSPO-token: needs
+  `sequence_ratio_mask`; clipped like ppo). `stable_reinforce` (its objective is not published) and
+  `custom` fail their future as a user error saying so; so does a per-datum input no loss takes.
 - `optim_step` honours `learning_rate`, `beta1`, `beta2`, `eps`, `weight_decay`, `grad_clip_norm`; Adam only.
 - Sampling honours `max_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `stop` (strings or token ids;
   `[]` disables EOS), `num_samples`, prompt log-probs, `topk_prompt_logprobs`, `prompt_logprobs_last_n`.
   `topk_sample_logprobs`, `target_prompt_logprobs`, `prompt_alt_tokens_k` and `record_stability_info`
   are refused with a 400 rather than ignored. Samplers are snapshots (an `inflight` save is a snapshot).
-- `save_state` honours `overwrite` (without it an existing name is refused); `ttl_seconds` and checkpoint
-  `user_metadata` are accepted and not kept. Sampling sessions live in the server process.
+- `save_state` honours `overwrite` (without it an existing name is refused). Checkpoint `ttl_seconds` (1 s to
+  10 years here; Tinker's lower bound of an hour is not enforced) and `user_metadata` are kept: an expired
+  checkpoint reads 404 and the server deletes it (files and row) within seconds, never while a load, sample,
+  download or copy of it is in progress. Sampling sessions live in the server process.
+- Published checkpoints are readable (load, sample, copy, download URLs) by every key, writable only by their
+  owner. `copy_weights` (and `weights_access_token` on loads) reads another key's checkpoint when that key is
+  presented as the weights access token (the caller holds both keys); copies are hard links in a finished run
+  that is not trained. `save_weights_external` writes a Hugging Face PEFT adapter
+  (`tinker://.../external_weights/NAME`); `get_external_weights_urls` gives signed URLs served by this server;
+  `age_encryption_recipients` is refused.
+- Sessions keep `tags` (`TINKER_TAGS`), `project_id` and `display_name`; `search_sessions` filters on them
+  (a key sees only its own sessions, so `accessible` is the caller's own; finish reasons are not recorded).
+  `whoami`: the SDK exchanges its key for a JWT of this server (`pjwt_auth_enabled`), whose subject is
+  `tml:user:whitney-key:<key id>`. `export_session_trace` gives a signed URL of the session's operations as a
+  Chrome trace-event JSON document (Perfetto opens it; not Tinker's `.pftrace` protobuf); `get_audit_log`
+  lists the key's operations of the day as `operation_<kind>` events (no projects, teams or organizations).
 - A clash with the state is a 400, never a 409: the SDK retries 409 and 5xx for minutes.
 - Recipes: `math_rl` defaults to `loss_fn=stable_reinforce`, which is not served; pass
-  `loss_fn=importance_sampling` (or ppo, cispo, dro). A local model directory works as `model_name`.
+  `loss_fn=importance_sampling` (or ppo, cispo, dro, gspo). A local model directory works as `model_name`.
 """
 
 

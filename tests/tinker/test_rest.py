@@ -106,7 +106,9 @@ def test_a_resent_request_is_the_same_operation(tinker_env, service_client, tiny
         clash = http.post("/optim_step", json={**body, "adam_params": {"learning_rate": 2e-2}})
         assert clash.status_code == 400  # never a 409: the SDK would retry it for minutes
         assert http.post("/retrieve_future", json={"request_id": "op-nope"}).status_code == 404
-        assert http.post("/client/config", json={}).json() == {}
+        # whoami reads the JWT; create_custom_loss uploads the traced loss
+        assert http.post("/client/config", json={}).json() == {"pjwt_auth_enabled": True,
+                                                               "custom_loss_server_side": True}
 
 
 def test_unknown_model_and_session_are_404(tinker_env):

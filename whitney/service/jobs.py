@@ -54,7 +54,7 @@ Job = ForwardJob | OptimJob | SaveJob | LoadJob | Refused
 
 def public_package(package: dict) -> dict:
     """A package as clients see it: no owner digest, no server path."""
-    return {k: v for k, v in package.items() if k not in ("owner", "path", "deleted")}
+    return {k: v for k, v in package.items() if k not in ("owner", "path", "deleted", "readers")}
 
 
 def forward_result_dict(result) -> dict:

@@ -25,12 +25,15 @@ from dataclasses import dataclass, fields, replace
 from starlette.responses import JSONResponse
 
 from whitney.errors import WhitneyError
+from whitney.service.signing import is_jwt, read_jwt
 from whitney.service.store import Store
 
 PREFIX = "tml-wk-"  # the Tinker SDK refuses keys that do not start with "tml-"
 CACHE_SECONDS = 1.0
 CACHE_ENTRIES = 10_000  # unknown keys are cached too: a flood of made-up keys may not grow memory
 OPEN_PATHS = ("/healthz",)  # the one route that answers without a key
+SIGNED_PREFIX = "/v1/signed/"  # signed download URLs: the route checks the signature instead (signing.py)
+CONSOLE = "/console"  # the web console checks keys itself: its sign-in form and static files are open, its data not
 
 
 class Unauthorized(WhitneyError):
@@ -95,6 +98,16 @@ def owner_of_key(key: str) -> str:
     return digest_of(key)[:32]
 
 
+def key_digest(credential: str | None) -> str | None:
+    """The sha256 of a key, or of the key a JWT of this server was exchanged for (None: no key behind it)."""
+    if not is_jwt(credential):
+        return digest_of(credential) if credential else None
+    claims = read_jwt(credential)
+    if claims is None:
+        raise Unauthorized("the token has expired or was not issued by this server", field="token")
+    return claims.get("key_digest") or None
+
+
 def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
     """Native clients send `Authorization: Bearer <key>`; Tinker's SDK sends `X-API-Key`."""
     if authorization and authorization.lower().startswith("bearer "):
@@ -124,8 +137,9 @@ class KeyRing:
         return held
 
     def owner(self, key: str | None) -> str:
-        """The owner of a valid key; without one, '' if the server requires no keys, else Unauthorized."""
-        digest = digest_of(key) if key else None
+        """The owner of a valid key (or of a JWT the Tinker SDK exchanged one for, signing.py); without one, ''
+        if the server requires no keys, else Unauthorized."""
+        digest = key_digest(key)
         if digest is not None and digest in self._config:
             return digest[:32]
         row = self._lookup(digest) if digest is not None else None
@@ -155,18 +169,22 @@ class KeyRing:
 
 class KeyGate:
     """ASGI middleware: with keys on, every path but OPEN_PATHS needs a valid key, before any routing. So
-    the OpenAPI documents, /docs, the Tinker sub-app and unknown paths are covered as the routes are."""
+    the OpenAPI documents, /docs, the Tinker sub-app and unknown paths are covered as the routes are. The
+    web console (CONSOLE) checks keys itself: its sign-in form and static files are open, its data is not."""
 
     def __init__(self, app, keys: KeyRing):
         self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope["path"] if scope["type"] == "http" else ""
+        if (scope["type"] != "http" or path in OPEN_PATHS or path.startswith(SIGNED_PREFIX)
+                or path == CONSOLE or path.startswith(CONSOLE + "/")):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             self.keys.owner(presented_key(headers.get("authorization"), headers.get("x-api-key")))
         except Unauthorized as e:
-            response = JSONResponse(status_code=401, content=e.to_dict(), headers={"WWW-Authenticate": "Bearer"})
+            challenge = 'Bearer error="invalid_token"' if e.field == "token" else "Bearer"  # the SDK then re-exchanges
+            response = JSONResponse(status_code=401, content=e.to_dict(), headers={"WWW-Authenticate": challenge})
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)

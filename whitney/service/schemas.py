@@ -78,7 +78,18 @@ class Error(Out):
 
 # ---- sessions and runs ---------------------------------------------------------------------
 
-class SessionCreate(Wire):
+Label = Annotated[str, Field(min_length=1, max_length=256)]  # a tag, project id or display name
+
+
+class SessionLabels(Wire):
+    """Labels to find sessions by (GET /v1/sessions?tag=&project_id=&display_name=)."""
+
+    tags: list[Label] | None = Field(None, max_length=64)
+    project_id: Label | None = None
+    display_name: Label | None = None
+
+
+class SessionCreate(SessionLabels):
     user_metadata: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -88,6 +99,9 @@ class Session(Out):
     created_at: float
     last_heartbeat: float
     user_metadata: dict[str, Any]
+    tags: list[str] | None = None
+    project_id: str | None = None
+    display_name: str | None = None
 
 
 class LoraSpec(Wire):
@@ -149,6 +163,29 @@ class ForwardPayload(Wire):
     data: list[WireDatum] = Field(min_length=1)
     loss_function: str = "cross_entropy"
     loss_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class CustomLossInput(Wire):
+    name: str
+    rank: Literal[0, 1, 2]  # 0 one value per datum, 1 [N], 2 [N, K]
+
+
+class CustomLossCreate(Wire):
+    """A per-datum loss as a torch.fx graph in plain data (the Tinker SDK's CustomLossGraph); the engine's
+    allow-list checks it (400 naming the node). Used as loss_function "custom", loss_config {"loss_id": id}."""
+
+    name: str
+    inputs: list[CustomLossInput] = Field(min_length=1)  # logprobs first, then the loss_inputs it reads
+    graph: dict[str, Any]  # {format: 1, nodes: [{op, name, target, args, kwargs}]}
+
+
+class CustomLoss(BaseModel):
+    id: str
+    name: str
+    inputs: list[CustomLossInput]
+    session_id: str | None = None
+    created_at: float
+    graph: dict[str, Any] | None = None  # only when read alone (GET /v1/custom_losses/{id})
 
 
 class AdamSpec(Wire):
@@ -251,3 +288,51 @@ class Package(Out):
     base_model: str
     has_optimizer: bool
     created_at: float
+    expires_at: float | None = None  # deleted by the server after this time (unix seconds); None: never
+    public: bool = False  # readable (load, sample, download, copy) by every key; writable only by its owner
+    user_metadata: dict[str, Any] | None = None
+
+
+Ttl = Annotated[int, Field(ge=1, le=10 * 365 * 24 * 3600, description="seconds from now until the server deletes it")]
+
+
+class PackageUpdate(Wire):
+    """Fields left out stay as they are; `ttl_seconds: null` removes the expiry."""
+
+    ttl_seconds: Ttl | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class PackageCopy(Wire):
+    """Copy into one of the caller's runs. A package of another key needs that key in X-Source-Key."""
+
+    run_id: str
+    name: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")
+    ttl_seconds: Ttl | None = None
+
+
+class PackageFiles(Out):
+    """Download URLs of each file of a package, signed: a plain GET fetches one until `expires_at`."""
+
+    urls: dict[str, str]
+    expires_at: float
+
+
+class Whoami(Out):
+    key_id: str | None  # the key's id in `whitney keys list`; None for --api-key keys and servers without keys
+    name: str | None
+    owner: str  # the identity every row carries: the first 32 hex digits of the key's sha256 ('' without keys)
+
+
+class TraceEvent(Out):
+    """One operation: what, of which run, its status, and when it was queued, started and ended (unix seconds)."""
+
+    operation_id: str
+    kind: str
+    run_id: str | None
+    seq_id: int | None
+    status: OperationStatus
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    error_code: str | None

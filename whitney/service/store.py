@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint,
-                        create_engine, event, func, select, update)
+                        create_engine, event, false, func, or_, select, update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -41,6 +41,10 @@ class SessionRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     last_heartbeat: Mapped[float] = mapped_column(Float)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    # Added after the first release (packages.migrate adds them to an older database); found by GET /v1/sessions.
+    tags: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    project_id: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
+    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class RunRow(Base):
@@ -93,6 +97,12 @@ class PackageRow(Base):
     has_optimizer: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[float] = mapped_column(Float)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Lifecycle (packages.py; migrated onto older databases): the reaper deletes a package past expires_at only
+    # while no one reads it (readers: loads in progress), public ones are readable by every key.
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    readers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    public: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
 
 class KeyRow(Base):
@@ -135,7 +145,10 @@ class Store:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA foreign_keys=ON")
         Base.metadata.create_all(self.engine)
+        from whitney.service.packages import migrate
+        migrate(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
+        self.at_end: dict[str, Callable] = {}  # op id -> fn(status, result) -> result, run as it ends (packages.py)
 
     @contextmanager
     def tx(self):
@@ -308,6 +321,8 @@ class Store:
 
         False changes nothing: an operation that ended (cancelled with its run) never starts or ends again."""
         status, now = OperationStatus(status), time.time()
+        if status in OPERATION_TERMINAL and op_id in self.at_end:
+            result = self.at_end.pop(op_id)(status, result)
         values: dict = {"status": status}
         if status == OperationStatus.RUNNING:
             values["started_at"] = now
@@ -337,6 +352,7 @@ class Store:
             for row in rows:
                 row.status, row.finished_at, row.error = status, time.time(), error
         for row in rows:
+            self.at_end.pop(row.id, lambda *_: None)(status, None)
             self._observe(row.kind, status, row.created_at, None, row.finished_at, None, error)
         return [r.id for r in rows]
 
@@ -362,6 +378,7 @@ class Store:
             for row in db.scalars(select(RunRow).where(RunRow.status.in_(sources(RUN_MOVES, RunStatus.INTERRUPTED)))):
                 row.status = RunStatus.INTERRUPTED
                 row.error = "server restarted; resume from the newest checkpoint with a new run"
+            db.execute(update(PackageRow).where(PackageRow.readers != 0).values(readers=0))  # no load survives
 
     # ---- model packages ---------------------------------------------------------------------
 
@@ -379,14 +396,16 @@ class Store:
 
     def get_package(self, package_id: str, owner: str | None = None) -> dict:
         with self.tx() as db:
-            row = db.get(PackageRow, package_id)
-            if row is None or row.deleted or (owner is not None and row.owner != owner):
+            row = db.get(PackageRow, package_id)  # the owner's, or public; never one past its expiry
+            if row is None or row.deleted or (owner is not None and row.owner != owner and not row.public) or (
+                    row.expires_at is not None and row.expires_at <= time.time()):
                 raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
             return _row_dict(row)
 
     def list_packages(self, owner: str, run_id: str | None = None, kind: str | None = None) -> list[dict]:
         with self.tx() as db:
-            q = select(PackageRow).where(PackageRow.owner == owner, PackageRow.deleted.is_(False))
+            q = select(PackageRow).where(PackageRow.owner == owner, PackageRow.deleted.is_(False), or_(
+                PackageRow.expires_at.is_(None), PackageRow.expires_at > time.time()))
             if run_id is not None:
                 q = q.where(PackageRow.run_id == run_id)
             if kind is not None:

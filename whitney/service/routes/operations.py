@@ -6,11 +6,12 @@ from fastapi import APIRouter, Query
 
 from whitney.engine import AdamParams, ForwardRequest
 from whitney.errors import Conflict, InvalidInput
-from whitney.service import schemas
+from whitney.service import custom_losses, schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.limits import check_operation
 from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, SaveJob, build_datums, datum_length
 from whitney.service.lifecycle import OPERATION_TERMINAL, OperationKind, RunStatus
+from whitney.service.packages import reading
 from whitney.service.store import digest
 
 router = APIRouter(prefix="/v1", tags=["operations"])
@@ -29,8 +30,9 @@ def enqueue(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, bod
     the Tinker routes. The store checks the run (404, 409 once it has ended) and the quota (429, never for
     a retry) in the one call."""
     tokens = job.tokens if isinstance(job, ForwardJob) else 0
-    op, created = st.store.submit_operation(who, run_id, seq_id, kind, body_digest,
-                                            admit=lambda: st.quotas.admit_operation(who, run_id, seq_id, tokens))
+    # A load counts as the checkpoint's reader until it ends, so the TTL reaper never deletes it first (packages.py).
+    op, created = reading(st.store, job.path if isinstance(job, LoadJob) else None, lambda: st.store.submit_operation(
+        who, run_id, seq_id, kind, body_digest, admit=lambda: st.quotas.admit_operation(who, run_id, seq_id, tokens)))
     if created and job is not None:
         st.scheduler.submit(op, job)
     return op
@@ -44,14 +46,16 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     data = build_datums([d.model_dump() for d in body.data])
     lengths = [datum_length(d) for d in data]
     check_operation(st.limits, lengths)  # before the backend looks at any of it
+    # loss "custom": {"loss_id": id} becomes the stored definition (routes/custom_losses.py).
+    config = custom_losses.resolve(st.store, who, body.loss_function, body.loss_config)
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
     try:
-        st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, body.loss_config), backward)
+        st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
             e.field = "loss_function"
         raise
-    return submit(st, who, run_id, kind, body, ForwardJob(data, body.loss_function, body.loss_config, lengths))
+    return submit(st, who, run_id, kind, body, ForwardJob(data, body.loss_function, config, lengths))
 
 
 @router.post("/runs/{run_id}/forward_backward", response_model=schemas.Operation, status_code=202)

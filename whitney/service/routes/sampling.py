@@ -11,6 +11,7 @@ from whitney.service import schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import RUN_OPEN, OperationKind
 from whitney.service.limits import check_operation, check_stops
+from whitney.service.packages import reading
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -70,7 +71,9 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
     # A 400 now, not a failure later.
     validate(prompt, params, st.model_info(base_model), st.scheduler.backend.config.max_sequences)
     st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
-    op, _ = st.store.submit_operation(who, None, None, OperationKind.SAMPLE, "")
+    # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
+    op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
+        who, None, None, OperationKind.SAMPLE, ""))
     st.scheduler.submit_sample(op, prompt, params, weights)
     return op
 
@@ -86,6 +89,8 @@ def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
             raise InvalidInput(f"sequence {i} must hold 1 to {config.max_context} token ids in "
                                f"[0, {config.vocab_size})", field="sequences", datum_index=i)
     st.quotas.admit_operation(who, None, None, sum(len(s) for s in body.sequences))  # 429 over the key's quota
-    op, _ = st.store.submit_operation(who, None, None, OperationKind.COMPUTE_LOGPROBS, "")
+    # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
+    op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
+        who, None, None, OperationKind.COMPUTE_LOGPROBS, ""))
     st.scheduler.submit_logprobs(op, body.sequences, weights)
     return op

@@ -4,7 +4,9 @@ Every operation maps onto the native store, scheduler and engine (no second impl
 Tinker model is a native run whose id is the Tinker model id, a Tinker future a native operation.
 It is a sub-application mounted on the native app, sharing its ServiceState, with its own OpenAPI
 document (/api/v1/openapi.json) so the native one stays exactly the native API.
-One router per resource: session (setup and life), training, sampling, futures, runs (REST reads).
+One router per resource: session (setup and life), account (identity, projects, search, traces, audit),
+training, custom_loss (create_custom_loss), sampling, futures, lifecycle (checkpoint TTLs, publishing, copies,
+export URLs), runs (REST reads).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from whitney.errors import InvalidInput, NotFound, TooLarge
 from whitney.service import handlers, schemas
 from whitney.service.deps import ServiceState, Unauthorized
 from whitney.service.quotas import QuotaExceeded
-from whitney.service.tinker import futures, runs, sampling, session, training
+from whitney.service.tinker import account, custom_loss, futures, lifecycle, runs, sampling, session, training
 from whitney.service.tinker.common import TinkerState
 
 # The SDK retries 408, 409, 429 and 5xx, so a clash with the state (a native 409) is a 400 here.
@@ -38,7 +40,8 @@ def create_tinker_app(state: ServiceState) -> FastAPI:
                   description="The subset of Tinker's /api/v1 that the tinker SDK 0.38 uses.")
     app.state.whitney = state
     app.state.tinker = TinkerState()
-    for module in (session, training, sampling, futures, runs):
+    # lifecycle before runs: its .../checkpoints/{id:path}/publish must not be read as a checkpoint id of runs'
+    for module in (session, account, training, custom_loss, sampling, futures, lifecycle, runs):
         app.include_router(module.router, responses=ERRORS)
     schemas.exact_integer_bounds(app)
 

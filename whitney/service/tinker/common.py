@@ -5,11 +5,14 @@ needed; a Tinker request id is the native operation id. Tinker seq_ids count fro
 native ones from 0: native = tinker - 1.
 
 Paths: `tinker://{model_id}/weights/{name}` is the newest saved state of that name (kind "state"),
-`tinker://{model_id}/sampler_weights/{name}` the newest sampler version of that name (kind "sampler").
+`tinker://{model_id}/sampler_weights/{name}` the newest sampler version of that name (kind "sampler"),
+`tinker://{model_id}/external_weights/{name}` the newest PEFT export of that name (kind "lora"). A path
+reads the caller's own package, else one of the key it presents as a weights access token, else a public one.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from dataclasses import dataclass, field
@@ -20,14 +23,14 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from whitney.errors import InvalidInput, NotFound, WhitneyError
-from whitney.service import schemas
+from whitney.service import packages, schemas
 from whitney.service.deps import ServiceState
 from whitney.service.lifecycle import OperationStatus
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # the native package-name rule
-SEGMENT_KIND = {"weights": "state", "sampler_weights": "sampler"}
+SEGMENT_KIND = {"weights": "state", "sampler_weights": "sampler", "external_weights": "lora"}
 KIND_SEGMENT = {v: k for k, v in SEGMENT_KIND.items()}
-CHECKPOINT_TYPE = {"state": "training", "sampler": "sampler"}
+CHECKPOINT_TYPE = {"state": "training", "sampler": "sampler", "lora": "external"}
 
 
 class TinkerBody(BaseModel):
@@ -54,6 +57,7 @@ class TinkerState:
     samplers: dict[str, Sampler] = field(default_factory=dict)
     sampler_of_op: dict[str, str] = field(default_factory=dict)  # save_weights_for_sampler op -> sampler id
     last_n: dict[str, int] = field(default_factory=dict)  # sample op -> prompt_logprobs_last_n
+    copies: dict[tuple[str, str], str] = field(default_factory=dict)  # (owner, X-Idempotency-Key) -> copy's path
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -79,27 +83,40 @@ def tinker_path(package: dict) -> str:
 
 
 def parse_path(path: str) -> tuple[str, str, str]:
-    """tinker://{model_id}/{weights|sampler_weights}/{name} -> (run id, package kind, name)."""
+    """tinker://{model_id}/{weights|sampler_weights|external_weights}/{name} -> (run id, package kind, name)."""
     parts = path[len("tinker://"):].split("/") if isinstance(path, str) and path.startswith("tinker://") else []
     if len(parts) != 3 or parts[1] not in SEGMENT_KIND or not parts[0] or not parts[2]:
-        raise InvalidInput(f"{path!r} is not a tinker://<model_id>/<weights|sampler_weights>/<name> path",
+        raise InvalidInput(f"{path!r} is not a tinker://<model_id>/<weights|sampler_weights|external_weights>/<name> "
+                           "path",
                            field="path")
     return parts[0], SEGMENT_KIND[parts[1]], parts[2]
 
 
 def packages_named(st: ServiceState, who: str, run_id: str, kind: str, name: str) -> list[dict]:
-    """Every live version of one checkpoint name, oldest first."""
+    """Every live version of one checkpoint name of the caller's own run, oldest first (what writes act on)."""
     st.store.get_run(run_id, who)
     return [p for p in st.store.list_packages(who, run_id, kind) if p["name"] == name]
 
 
-def resolve_path(st: ServiceState, who: str, path: str) -> dict:
-    """The package a tinker:// path names (its newest version)."""
+def resolve_path(st: ServiceState, who: str, path: str, also: str | None = None) -> dict:
+    """The package a tinker:// path names (its newest version): the caller's, else one of `also` (the owner
+    of a weights access token the caller presented), else a public one."""
     run_id, kind, name = parse_path(path)
-    found = packages_named(st, who, run_id, kind, name)
+    for owner in (who, also):
+        found = [p for p in st.store.list_packages(owner, run_id, kind) if p["name"] == name] if owner is not None \
+            else []
+        if found:
+            return max(found, key=lambda p: p["version"])
+    found = [p for p in packages.public_packages(st.store)
+             if (p["run_id"], p["kind"], p["name"]) == (run_id, kind, name)]
     if not found:
         raise NotFound(f"no checkpoint {path!r}", field="path")
     return max(found, key=lambda p: p["version"])
+
+
+def access_owner(st: ServiceState, token: str | None) -> str | None:
+    """The owner of the second key a caller presents (`weights_access_token`): it may read that key's packages."""
+    return st.keys.owner(token) if token else None
 
 
 def sampler_ref(st: ServiceState, sampler: Sampler) -> schemas.WeightsRef:
@@ -126,10 +143,14 @@ def iso(t: float | None) -> str | None:
 
 
 def checkpoint(package: dict) -> dict[str, Any]:
-    """A package as Tinker's Checkpoint."""
+    """A package as Tinker's Checkpoint (its user_metadata values as strings, as Tinker's type has them)."""
+    metadata = package.get("user_metadata")
     return {"checkpoint_id": f"{KIND_SEGMENT[package['kind']]}/{package['name']}",
             "checkpoint_type": CHECKPOINT_TYPE[package["kind"]], "time": iso(package["created_at"]),
-            "tinker_path": tinker_path(package), "size_bytes": None, "public": False}
+            "tinker_path": tinker_path(package), "size_bytes": packages.size_bytes(package),
+            "public": bool(package.get("public")), "expires_at": iso(package.get("expires_at")),
+            "user_metadata": None if metadata is None else {
+                k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}}
 
 
 def error_text(exc: WhitneyError) -> str:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-
 from fastapi import APIRouter
 
 from whitney.errors import NotFound
+from whitney.service.packages import remove
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import RunStatus
 from whitney.service.tinker.common import (SEGMENT_KIND, TinkerBody, checkpoint, iso, packages_named,
@@ -19,7 +18,7 @@ def _newest_per_name(packages: list[dict]) -> list[dict]:
     """One checkpoint per (kind, name): its newest version, as a tinker:// path names it."""
     newest: dict[tuple[str, str], dict] = {}
     for p in packages:
-        if p["kind"] in ("state", "sampler"):
+        if p["kind"] in ("state", "sampler", "lora"):
             key = (p["kind"], p["name"])
             if key not in newest or p["version"] > newest[key]["version"]:
                 newest[key] = p
@@ -64,9 +63,8 @@ def delete_checkpoint(run_id: str, checkpoint_id: str, st: State, who: Owner) ->
     found = packages_named(st, who, run_id, SEGMENT_KIND[segment], name) if segment in SEGMENT_KIND and name else []
     if not found:
         raise NotFound(f"training run {run_id!r} has no checkpoint {checkpoint_id!r}", field="checkpoint_id")
-    for package in found:
-        st.store.delete_package(package["id"], who)
-        shutil.rmtree(package["path"], ignore_errors=True)
+    for package in found:  # a Conflict while one is being read (packages.remove)
+        remove(st.store, package["id"], who)
     return {}
 
 

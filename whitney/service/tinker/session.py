@@ -9,8 +9,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from whitney.errors import Conflict
-from whitney.service import schemas
-from whitney.service.deps import Owner, State
+from whitney.service import projects, schemas
+from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import RunStatus, SessionStatus
 from whitney.service.limits import check_metadata
 from whitney.service.tinker.common import Tinker, TinkerBody
@@ -20,8 +20,10 @@ router = APIRouter()
 
 @router.post("/client/config")
 def client_config() -> dict:
-    """Feature flags: the SDK's defaults suit us (JSON sampling polls, no zstd, client-side custom losses)."""
-    return {}
+    """Feature flags: the SDK's defaults suit us (JSON sampling polls, no zstd), but for JWT auth (the SDK
+    exchanges its key for a JWT of this server, POST /auth/token, which carries the key's identity for
+    `whoami`) and server-side custom losses (create_custom_loss uploads the traced graph: custom_loss.py)."""
+    return {"pjwt_auth_enabled": True, "custom_loss_server_side": True}
 
 
 @router.post("/client/dynamic_config")
@@ -50,11 +52,19 @@ class CreateSession(TinkerBody):
 
 @router.post("/create_session")
 def create_session(body: CreateSession, st: State, who: Owner) -> dict:
-    """A native session with the caller's user_metadata (tags, project and display name are not kept)."""
+    """A native session with the caller's user_metadata, tags, project and display name (search_sessions and
+    GET /v1/sessions find it by them)."""
     check_metadata(st.limits, body.user_metadata)
+    projects.check_labels(body.tags, body.project_id, body.display_name)
     st.quotas.check_session(who)
-    session = st.store.create_session(who, dict(body.user_metadata or {}))
+    session = labelled_session(st, who, dict(body.user_metadata or {}), tags=body.tags, project_id=body.project_id,
+                               display_name=body.display_name)
     return {"type": "create_session", "session_id": session["id"]}
+
+
+def labelled_session(st: ServiceState, who: str, user_metadata: dict, **labels) -> dict:
+    session = st.store.create_session(who, user_metadata)
+    return projects.label(st.store, session["id"], who, **labels)
 
 
 class SessionRef(TinkerBody):
@@ -99,4 +109,4 @@ def get_session(session_id: str, st: State, who: Owner, ts: Tinker) -> dict:
     session = st.store.get_session(session_id, who)
     return {"training_run_ids": [r["id"] for r in st.store.runs_of_session(session_id)],
             "sampler_ids": [k for k, v in ts.samplers.items() if k.startswith(f"{session_id}:") and v.owner == who],
-            "user_metadata": session["user_metadata"]}
+            "user_metadata": session["user_metadata"], "display_name": session["display_name"]}

@@ -14,20 +14,20 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from whitney.engine import AdamParams
+from whitney.engine import AdamParams, describe_losses
 from whitney.engine.backend import Failure
 from whitney.errors import InvalidInput, WhitneyError
-from whitney.service import schemas
+from whitney.service import custom_losses, packages, schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import OperationKind, OperationStatus
-from whitney.service.limits import check_operation
+from whitney.service.limits import check_metadata, check_operation
 from whitney.service.routes.operations import enqueue
 from whitney.service.routes.sessions import open_run
 from whitney.service.jobs import (ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob, build_datums,
                                   datum_length)
 from whitney.service.store import digest
 from whitney.service.tinker import proto
-from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, model_id, native_seq,
+from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, access_owner, model_id, native_seq,
                                            packages_named, resolve_path, served, tinker_path)
 
 router = APIRouter()
@@ -111,9 +111,11 @@ def get_info(body: ModelRef, st: State, who: Owner) -> dict:
 # ---- forward, forward_backward and optim_step ------------------------------------------------
 
 def loss_config(loss_fn: str, config: dict) -> dict:
-    """Tinker's loss parameters: cispo's default bounds are Tinker's absolute 0.8 / 1.2."""
-    if loss_fn == "cispo" and not {"eps_max", "clip_low_threshold", "clip_high_threshold"} & set(config):
-        return {**config, "clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    """Tinker's loss parameters: where the loss table gives Tinker defaults (cispo's absolute 0.8 / 1.2)
+    and the request names none of the loss's keys, those. An unknown name is the engine's to refuse."""
+    loss = describe_losses().get(loss_fn)
+    if loss and loss["tinker_defaults"] and not set(loss["config"]) & set(config):
+        return {**config, **loss["tinker_defaults"]}
     return config
 
 
@@ -129,7 +131,12 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
     data = build_datums(req.data)
     lengths = [datum_length(d) for d in data]
     check_operation(st.limits, lengths)
-    job = ForwardJob(data, req.loss_fn, loss_config(req.loss_fn, req.loss_fn_config), lengths)
+    job: Job
+    try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn)
+        config = custom_losses.resolve(st.store, who, req.loss_fn, loss_config(req.loss_fn, req.loss_fn_config))
+        job = ForwardJob(data, req.loss_fn, config, lengths)
+    except WhitneyError as e:
+        job = refused(e)
     op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), job)
     return future(op, model_id=req.model_id)
 
@@ -167,40 +174,75 @@ class SaveWeights(TinkerBody):
     sampling_session_seq_id: int | None = None
     kind: str | None = None
     overwrite: bool = False
-    ttl_seconds: int | None = None  # accepted; checkpoints here never expire
-    user_metadata: dict[str, Any] | None = None
+    ttl_seconds: int | None = None  # the server deletes the checkpoint this long after it is written
+    user_metadata: dict[str, Any] | None = None  # kept with the checkpoint (list_checkpoints shows it)
 
 
-def _save_job(name: str | None, **options: Any) -> Job:
-    if name is not None and not NAME.match(name):
-        return refused(InvalidInput(f"checkpoint name {name!r} must be 1-200 of A-Z a-z 0-9 . _ -", field="path"))
+def _save_job(name: str | None, st: ServiceState | None = None, body: Any = None, **options: Any) -> Job:
+    """A SaveJob, or a refusal (failing in its turn) of a bad name, TTL or metadata."""
+    try:
+        if name is not None and not NAME.match(name):
+            raise InvalidInput(f"checkpoint name {name!r} must be 1-200 of A-Z a-z 0-9 . _ -", field="path")
+        if body is not None:
+            packages.check_ttl(body.ttl_seconds)
+            check_metadata(st.limits, getattr(body, "user_metadata", None) or {})
+    except WhitneyError as e:
+        return refused(e)
     return SaveJob(name, **options)
+
+
+def _saved(st: ServiceState, op: dict, body: Any, job: Job) -> dict:
+    """The save's TTL and user_metadata, given to its package as it succeeds (packages.settle_at_end)."""
+    if op["status"] == OperationStatus.QUEUED and not isinstance(job, Refused):
+        packages.settle_at_end(st.store, op["id"], body.ttl_seconds, getattr(body, "user_metadata", None))
+    return future(op, model_id=body.model_id)
 
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeights, st: State, who: Owner) -> dict:
     """save_state: adapter and optimizer, as tinker://{model_id}/weights/{name}."""
     name = body.path if body.path is not None else f"state-{body.seq_id}"
-    job = _save_job(name, include_optimizer=True)
+    job = _save_job(name, st, body, include_optimizer=True)
     if not body.overwrite and packages_named(st, who, body.model_id, "state", name):
         job = refused(InvalidInput(f"checkpoint {name!r} exists; save with overwrite=True to replace it",
                                    field="path"))
     op = submit(st, who, body.model_id, body.seq_id, OperationKind.SAVE_STATE, digest(body.model_dump()), job)
-    return future(op, model_id=body.model_id)
+    return _saved(st, op, body, job)
+
+
+class SaveWeightsExternal(TinkerBody):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
+@router.post("/save_weights_external")
+def save_weights_external(body: SaveWeightsExternal, st: State, who: Owner) -> dict:
+    """The adapter as a Hugging Face PEFT directory (adapter_config.json, adapter_model.safetensors), as
+    tinker://{model_id}/external_weights/{name}: the native export_lora. age encryption is refused."""
+    job = _save_job(body.path, st, body)
+    if body.age_encryption_recipients:
+        job = refused(InvalidInput("age encryption of exports is not supported by this server",
+                                   field="age_encryption_recipients"))
+    op = submit(st, who, body.model_id, body.seq_id, OperationKind.EXPORT_LORA, digest(body.model_dump()), job)
+    return _saved(st, op, body, job)
 
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveWeights, st: State, who: Owner, ts: Tinker) -> dict:
     """A frozen sampler version: named (a tinker:// path comes back) or not (a sampling session comes back)."""
+    job = _save_job(body.path, st, body)
     op = submit(st, who, body.model_id, body.seq_id, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER,
-                digest(body.model_dump()), _save_job(body.path))
+                digest(body.model_dump()), job)
     if body.path is None:
         run = st.store.get_run(body.model_id, who)
         sampler_id = f"{body.model_id}:sampler:{body.seq_id}"
         with ts.lock:
             ts.samplers[sampler_id] = Sampler(who, run["base_model"], op_id=op["id"])
             ts.sampler_of_op[op["id"]] = sampler_id
-    return future(op, model_id=body.model_id)
+    return _saved(st, op, body, job)
 
 
 class LoadWeights(TinkerBody):
@@ -227,21 +269,23 @@ async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
         if body.model_seq_id is None:
             raise InvalidInput("session_id needs model_seq_id", field="model_seq_id")
         _check_optimizer(body.optimizer_config)
-        package = resolve_path(st, who, body.path)
+        also = access_owner(st, body.weights_access_token)
+        package = resolve_path(st, who, body.path, also)
         run_id = model_id(body.session_id, body.model_seq_id)
         try:
             st.store.get_run(run_id, who)
         except WhitneyError:
             await open_run(st, who, body.session_id, schemas.RunCreate(
                 base_model=body.base_model, user_metadata=body.user_metadata or {},
-                resume_from=schemas.ResumeFrom(checkpoint_id=package["id"], with_optimizer=body.optimizer)), run_id)
+                resume_from=schemas.ResumeFrom(checkpoint_id=package["id"], with_optimizer=body.optimizer)), run_id,
+                also)
         op = finished_op(st, who, kind, {"path": body.path, "model_id": run_id, "type": "load_weights"})
         return future(op, model_id=run_id)
     if body.model_id is None:
         raise InvalidInput("load_weights needs model_id (with seq_id) or session_id (with model_seq_id)",
                            field="model_id")
     try:
-        package = resolve_path(st, who, body.path)
+        package = resolve_path(st, who, body.path, access_owner(st, body.weights_access_token))
         if body.optimizer and not package["has_optimizer"]:
             raise InvalidInput("the checkpoint has no optimizer state; use load_state", field="path")
         job: Job = LoadJob(package["path"], package["id"])
@@ -263,6 +307,12 @@ def result(op: dict, st: ServiceState) -> dict:
         return {"path": tinker_path(r["package"]), "type": "save_weights"}
     if kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER:
         return {"path": tinker_path(r["package"]), "type": "save_weights_for_sampler"}
+    if kind == OperationKind.EXPORT_LORA:
+        try:
+            size = packages.size_bytes(st.store.get_package(r["package"]["id"]))
+        except WhitneyError:  # deleted or expired since
+            size = None
+        return {"path": tinker_path(r["package"]), "size_bytes": size, "type": "save_weights_external"}
     if kind in (OperationKind.LOAD_STATE, OperationKind.LOAD_STATE_WITH_OPTIMIZER):
         try:
             path = tinker_path(st.store.get_package(r["checkpoint_id"]))
