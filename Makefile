@@ -20,12 +20,16 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # dependencies, then the ones its math_rl and chat_sl recipes really use.
 COOKBOOK_DEPS := aiohttp blobfile chz cloudpickle datasets pyrage termcolor tiktoken pillow math-verify pylatexenc
 
-# PostgreSQL for the store tests (a throwaway server per test session, tests/postgres.py): Debian's package,
-# installed as root where it is missing; without it those tests are skipped, saying why.
+# PostgreSQL for the store tests (a throwaway server per test session, tests/postgres.py) and Chromium for the
+# console's browser tests (Playwright drives it; it downloads no browser): Debian's packages, installed as root
+# where they are missing; without one its tests are skipped, saying why.
 $(VENV)/.test-installed: $(STAMP) pyproject.toml
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& { apt-get install -y -q postgresql || { apt-get update -q && apt-get install -y -q postgresql; }; }; } \
 		|| echo "PostgreSQL is not installed: its tests will be skipped"
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; }; } \
+		|| echo "Chromium is not installed: the console's browser tests will be skipped"
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
 	$(BIN)/pip install -q $(COOKBOOK_DEPS)

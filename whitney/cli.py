@@ -80,6 +80,8 @@ def serve_main(args) -> int:
     server = serve_in_thread(app, args.host, args.port)
     placed = sorted({f"{m.device}, {m.compute_dtype}" for m in scheduler.backend.models.values()})
     print(f"Whitney is serving {', '.join(config.models)} at {server.url} ({'; '.join(placed)})", flush=True)
+    print(f"The web console is at {server.url}/console/"
+          + (" (sign in with an API key)" if app.state.whitney.keys.required() else ""), flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: scheduler.stop())
     # Should the HTTP thread ever end on its own, stop the worker too rather than serve nothing.

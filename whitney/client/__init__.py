@@ -252,6 +252,22 @@ class RunClient:
     def operations(self) -> list[dict]:
         return self.client.request("GET", f"/v1/runs/{self.id}/operations")
 
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> dict:
+        """Log values the loop computed (e.g. {"reward/mean": 0.41}) at `step`, by default the run's current
+        optimizer step; the console charts them. A name logged again at a step replaces its value, so pass
+        `step` where a resend must land on the same point."""
+        import json
+
+        # NaN and infinities are sent as they are (httpx's json= refuses them): the server names the metric.
+        body = json.dumps(_drop_none({"step": step, "metrics": metrics}), allow_nan=True)
+        return self.client.request("POST", f"/v1/runs/{self.id}/metrics", content=body,
+                                   headers={"Content-Type": "application/json"})
+
+    def metrics(self, *names: str) -> dict[str, dict]:
+        """The logged series, {name: {"steps": [...], "values": [...]}}; names given: only those."""
+        params = [("name", n) for n in names]
+        return self.client.request("GET", f"/v1/runs/{self.id}/metrics", params=params)["metrics"]
+
     def finish(self) -> dict:
         return self.client.request("POST", f"/v1/runs/{self.id}/finish")
 

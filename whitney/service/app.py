@@ -20,12 +20,14 @@ from whitney.engine.model import shown_name
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable
 from whitney.service import handlers, schemas, tinker
 from whitney.service.bodies import read_body, replaying
+from whitney.service.console import create_console
 from whitney.service.deps import ServiceState, Unauthorized
 from whitney.service.keys import KeyGate, KeyLimits, KeyRing
 from whitney.service.limits import Limits
 from whitney.service.metrics import Metrics
 from whitney.service.quotas import QuotaExceeded, Quotas
-from whitney.service.routes import capabilities, checkpoints, operations, sampling, sessions
+from whitney.service.routes import (capabilities, checkpoints, custom_losses, openai, operations, run_metrics, sampling,
+                                    sessions)
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store
 from whitney.service.text import TextCheck
@@ -104,11 +106,12 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
                                      {name: public for name, public in zip(config.models, shown) if name != public},
                                      metrics)
     metrics.watch(app.state.whitney)
-    for module in (capabilities, sessions, operations, sampling, checkpoints):
+    for module in (capabilities, sessions, operations, custom_losses, sampling, checkpoints, openai, run_metrics):
         app.include_router(module.router, responses=ERRORS)
     app.include_router(capabilities.health, responses=ERRORS)  # GET /healthz, the one route open without a key
     # The Tinker SDK's protocol, over the same state (store, scheduler, engine).
     app.mount("/api/v1", tinker.create_tinker_app(app.state.whitney))
+    app.mount("/console", create_console(app.state.whitney, STATUS))  # the web console, over the same state
     schemas.exact_integer_bounds(app)  # /openapi.json: 2**63 as an integer, not 9.223372036854776e+18
 
     app.add_middleware(TextCheck)  # inside BodyLimit: it reads bodies BodyLimit has bounded

@@ -1,0 +1,293 @@
+"""The console's routes: pages, the parts htmx refreshes in place, and the JSON the curves poll.
+
+`public` needs no key (the sign-in form); every route of `router` depends on `viewer`, so none can show
+data without a valid key. Changes (delete, export) go through the same store functions as the API and
+take only htmx requests (the HX-Request header, which a cross-site form cannot send; the cookie is
+SameSite=Strict too).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.templating import Jinja2Templates
+
+from whitney.errors import Conflict
+from whitney.service import run_metrics
+from whitney.service.console import queries
+from whitney.service.console.auth import COOKIE, SignIn, viewer
+from whitney.service.console.exports import EXPORTABLE, export_peft
+from whitney.service.console.server import server_view
+from whitney.service.deps import ServiceState
+from whitney.service.keys import Unauthorized
+from whitney.service.lifecycle import OPERATION_PENDING, RUN_LIVE, RUN_OPEN
+from whitney.service.routes import checkpoints
+
+Viewer = Annotated[str, Depends(viewer)]
+SPARKLINES = 50  # the newest runs whose recent losses the runs list draws
+public = APIRouter()
+router = APIRouter(dependencies=[Depends(viewer)])
+
+
+def _context(request: Request) -> dict:
+    """What every page shows: where the console is mounted, and who is signed in (an owner's first digits)."""
+    st: ServiceState = request.app.state.whitney
+    try:
+        who = viewer(request)
+    except SignIn:
+        who = None
+    return {"base": request.scope.get("root_path", ""), "keys_required": st.keys.required(), "viewer": who,
+            "path": request.url.path, "server_url": f"{request.url.scheme}://{request.url.netloc}"}
+
+
+templates = Jinja2Templates(directory=Path(__file__).resolve().parent / "templates", context_processors=[_context])
+
+
+def _ago(ts: float | None) -> str:
+    if ts is None:
+        return "—"
+    s = max(0.0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= size:
+            return f"{int(s // size)} {unit} ago"
+    return "just now" if s < 5 else f"{int(s)} s ago"
+
+
+def _when(ts: float | None) -> str:
+    return "—" if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "—"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 60:
+        return f"{s:.2f} s"
+    return f"{int(s // 60)} min {int(s % 60)} s"
+
+
+def _size(n: int | float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def _number(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def _sparkline(values: list[float], width: int = 120, height: int = 28) -> str:
+    """SVG polyline points of `values` scaled into a width x height box (2 px margin), or '' under 2 values."""
+    if len(values) < 2:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    step = (width - 4) / (len(values) - 1)
+    return " ".join(f"{2 + i * step:.1f},{2 + (height - 4) * (high - v) / span:.1f}" for i, v in enumerate(values))
+
+
+templates.env.filters.update(ago=_ago, when=_when, duration=_duration, size=_size, number=_number,
+                             sparkline=_sparkline)
+templates.env.globals.update(LIVE=RUN_LIVE, PENDING=OPERATION_PENDING, EXPORTABLE=EXPORTABLE)
+
+
+def _state(request: Request) -> ServiceState:
+    return request.app.state.whitney
+
+
+def _htmx_only(request: Request) -> None:
+    """Changes come from the console's own buttons only (htmx sends HX-Request; a cross-site form cannot)."""
+    if not request.headers.get("hx-request"):
+        raise Conflict("console changes are made from the console's buttons (HX-Request header missing)",
+                       field="hx-request")
+
+
+# ---- signing in ------------------------------------------------------------------------------
+
+@public.get("/login", response_class=HTMLResponse)
+def login_form(request: Request, reason: str = "", next: str = ""):
+    return templates.TemplateResponse(request, "login.html", {"reason": reason, "next": next, "error": None})
+
+
+@public.post("/login", response_class=HTMLResponse)
+async def login(request: Request):
+    """Check the key (a valid key has an owner; a wrong one is refused here, saying so) and keep it in a
+    cookie for this browser session."""
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    key, target = form.get("key", [""])[0].strip(), form.get("next", [""])[0]
+    base = request.scope.get("root_path", "")
+    try:
+        valid = bool(key) and _state(request).keys.owner(key) != ""
+    except Unauthorized:  # unknown or revoked
+        valid = False
+    if not valid:
+        error = "Enter your API key." if not key else "This key is not valid on this server (unknown or revoked)."
+        return templates.TemplateResponse(request, "login.html", {"reason": "", "next": target, "error": error},
+                                          status_code=401)
+    if not target.startswith(f"{base}/") or target.startswith("//") or "/login" in target:
+        target = f"{base}/"
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(COOKIE, key, path=base or "/", samesite="strict", secure=request.url.scheme == "https")
+    return response
+
+
+@public.post("/logout")
+def logout(request: Request):
+    base = request.scope.get("root_path", "")
+    response = RedirectResponse(f"{base}/login", status_code=303)
+    response.delete_cookie(COOKIE, path=base or "/")
+    return response
+
+
+# ---- sessions and runs -------------------------------------------------------------------------
+
+def _sessions(st: ServiceState, who: str) -> dict:
+    sessions = list(reversed(st.store.list_sessions(who)))
+    runs = list(reversed(st.store.list_runs(who)))
+    ids = [r["id"] for r in runs]
+    counts, losses = queries.operation_counts(st.store, ids), queries.recent_losses(st.store, ids[:SPARKLINES])
+    by_session: dict[str, list[dict]] = {}
+    for run in runs:
+        recent = losses.get(run["id"], [])
+        by_session.setdefault(run["session_id"], []).append(
+            {**run, "counts": counts.get(run["id"], {}), "losses": recent, "last_loss": recent[-1] if recent else None})
+    return {"sessions": [{**s, "runs": by_session.get(s["id"], [])} for s in sessions],
+            "summary": queries.owner_summary(st.store, who), "owner": who}
+
+
+@router.get("/", response_class=HTMLResponse)
+def home(request: Request, who: Viewer):
+    return templates.TemplateResponse(request, "sessions.html", _sessions(_state(request), who))
+
+
+@router.get("/parts/sessions", response_class=HTMLResponse)
+def sessions_part(request: Request, who: Viewer):
+    return templates.TemplateResponse(request, "_sessions.html", _sessions(_state(request), who))
+
+
+def _run_live(st: ServiceState, who: str, run_id: str) -> dict:
+    run = st.store.get_run(run_id, who)
+    counts = queries.operation_counts(st.store, [run_id])[run_id]
+    return {"run": run, "counts": counts, "last_loss": queries.last_losses(st.store, [run_id]).get(run_id),
+            "timeline": queries.timeline(st.store, run_id), "now": time.time(),
+            "live": run["status"] in RUN_LIVE or any(counts.get(s) for s in OPERATION_PENDING)}
+
+
+def _run_files(st: ServiceState, who: str, run_id: str) -> dict:
+    run = st.store.get_run(run_id, who)
+    packages = [{**p, "bytes": queries.directory_bytes(p["path"])}
+                for p in reversed(st.store.list_packages(who, run_id))]
+    live_ids = {p["id"] for p in packages}
+    versions = [{**v, "sampleable": run["status"] in RUN_OPEN or v["package_id"] in live_ids}
+                for v in queries.sampler_versions(st.store, run_id)]
+    return {"run": run, "packages": packages, "versions": versions, "live": run["status"] in RUN_LIVE}
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+def run_page(request: Request, run_id: str, who: Viewer):
+    st = _state(request)
+    context = {**_run_live(st, who, run_id), **_run_files(st, who, run_id)}
+    context["session"] = st.store.get_session(context["run"]["session_id"], who)
+    return templates.TemplateResponse(request, "run.html", context)
+
+
+@router.get("/runs/{run_id}/parts/live", response_class=HTMLResponse)
+def run_live_part(request: Request, run_id: str, who: Viewer):
+    context = {**_run_live(_state(request), who, run_id), "oob": True}  # status and timeline swapped out of band
+    return templates.TemplateResponse(request, "_run_live.html", context)
+
+
+@router.get("/runs/{run_id}/parts/files", response_class=HTMLResponse)
+def run_files_part(request: Request, run_id: str, who: Viewer):
+    return templates.TemplateResponse(request, "_run_files.html", _run_files(_state(request), who, run_id))
+
+
+@router.get("/runs/{run_id}/curves")
+def run_curves(request: Request, run_id: str, who: Viewer, after: int = Query(-1, ge=-1),
+               logged_after: int = Query(-1, ge=-1)):
+    """The run's metric points after seq_id `after` (see queries.curve_points), the metrics its loop logged
+    after id `logged_after` (run_metrics.points_after), and the run's status."""
+    st = _state(request)
+    run = st.store.get_run(run_id, who)
+    return JSONResponse({"status": run["status"], "live": run["status"] in RUN_LIVE,
+                         "points": queries.curve_points(st.store, run_id, after),
+                         "logged": run_metrics.points_after(st.store, run_id, logged_after)})
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+@router.get("/checkpoints/{package_id}/archive")
+def checkpoint_archive(request: Request, package_id: str, who: Viewer):
+    """The package as a tar archive (the API's download, for a browser that signed in with a cookie)."""
+    return checkpoints.download_checkpoint(package_id, _state(request), who)
+
+
+@router.delete("/checkpoints/{package_id}", response_class=HTMLResponse)
+def checkpoint_delete(request: Request, package_id: str, who: Viewer):
+    _htmx_only(request)
+    st = _state(request)
+    package = checkpoints.delete_checkpoint(package_id, st, who)  # the API's delete: the row, then the files
+    return templates.TemplateResponse(request, "_run_files.html", _run_files(st, who, package["run_id"]))
+
+
+@router.post("/checkpoints/{package_id}/export", response_class=HTMLResponse)
+async def checkpoint_export(request: Request, package_id: str, who: Viewer):
+    _htmx_only(request)
+    st = _state(request)
+    package = await export_peft(st, who, package_id)
+    return templates.TemplateResponse(request, "_run_files.html", _run_files(st, who, package["run_id"]))
+
+
+# ---- the playground and the server -------------------------------------------------------------
+
+@router.get("/playground", response_class=HTMLResponse)
+def playground(request: Request, who: Viewer, model: str = ""):
+    """Pick weights (a base model, a run's sampler version, a checkpoint) and chat with them; the page's
+    script streams from POST /v1/chat/completions."""
+    st = _state(request)
+    runs = list(reversed(st.store.list_runs(who)))
+    versions = queries.owner_sampler_versions(st.store, who, [r["id"] for r in runs])
+    packages = [p for p in reversed(st.store.list_packages(who)) if p["kind"] in ("state", "sampler")]
+    kept = {p["id"] for p in packages}
+    # A live run samples its versions from memory; an ended one from their packages, so a deleted one is gone.
+    choices = [{"value": f"{run['id']}@{version}", "run": run, "version": version}
+               for run in runs for version, package_id in versions.get(run["id"], [])
+               if run["status"] in RUN_OPEN or package_id in kept]
+    return templates.TemplateResponse(request, "playground.html", {
+        "models": st.models, "versions": choices, "packages": packages, "selected": model,
+        "known": model in st.models or model in kept or any(c["value"] == model for c in choices)})
+
+
+def _server(request: Request) -> dict:
+    return server_view(_state(request), request.app.state.throughput)
+
+
+@router.get("/server", response_class=HTMLResponse)
+def server_page(request: Request, who: Viewer):
+    return templates.TemplateResponse(request, "server.html", _server(request))
+
+
+@router.get("/server/parts/stats", response_class=HTMLResponse)
+def server_part(request: Request, who: Viewer):
+    return templates.TemplateResponse(request, "_server.html", _server(request))
+
+
+@router.get("/server/throughput")
+def server_throughput(request: Request, who: Viewer):
+    """Rates (per second) at each reading of the last ten minutes: training tokens, sampled tokens, operations."""
+    throughput = request.app.state.throughput
+    throughput.watch()
+    return JSONResponse(throughput.series())
