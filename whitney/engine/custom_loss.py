@@ -369,7 +369,7 @@ def run_program(program: Program, values: list[torch.Tensor]) -> tuple[torch.Ten
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.detach().reshape(())
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            v = torch.tensor(float(v))
+            v = torch.tensor(float(v), device=loss.device)
         else:
             raise _refuse(where, f"metric {key!r} must be a one-element tensor or a number")
         metrics[key] = v

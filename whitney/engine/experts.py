@@ -47,7 +47,7 @@ def expert_projections(module: torch.nn.Module) -> dict[str, tuple[int, int, int
 
 def _slots(groups: RowGroups, rows: int) -> torch.Tensor:
     """The group index of each row [B] (CPU); G (past the last group) for rows no group lists."""
-    slot = torch.full((rows,), len(groups.bounds), dtype=torch.int64)
+    slot = torch.full((rows,), len(groups.bounds), dtype=torch.int64, device="cpu")
     for g, entry in enumerate(groups.bounds):
         if len(entry) == 3:
             slot[entry[0]:entry[1]] = g

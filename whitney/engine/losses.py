@@ -176,7 +176,7 @@ def _custom_row(d: PreparedDatum, index: int, config: dict) -> None:
         check(t.dim() == rank, f"datum {index}: {'target_tokens' if name == 'logprobs' else name} has rank "
               f"{t.dim()}, but custom loss {program.name!r} declares {name} with rank {rank}",
               field="target_tokens" if name == "logprobs" else name, datum_index=index)
-    values = [torch.full(d.inputs["target_tokens"].shape, -1.0)] + [d.inputs[n] for n, _ in program.inputs[1:]]
+    values = [torch.full(d.inputs["target_tokens"].shape, -1.0, device="cpu")] + [d.inputs[n] for n, _ in program.inputs[1:]]
     try:
         with torch.no_grad():
             custom_loss.run_program(program, values)

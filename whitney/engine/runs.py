@@ -239,8 +239,9 @@ class Engine:
         inputs = {k: torch.cat([d.inputs[k] for d in it.datums]).to(dev) for k in per_position}
         inputs.update({k: torch.stack([d.inputs[k] for d in it.datums]).to(dev)  # [B]: one value per datum
                        for k in it.datums[0].inputs if it.spec.inputs[k].rows == SCALAR})
-        lengths = torch.tensor([d.length for d in it.datums])
-        inputs["datum_index"] = torch.repeat_interleave(torch.arange(len(it.datums)), lengths).to(dev)  # [N]
+        lengths = torch.tensor([d.length for d in it.datums], device="cpu")
+        inputs["datum_index"] = torch.repeat_interleave(torch.arange(len(it.datums), device="cpu"),
+                                                        lengths).to(dev)  # [N]
         if it.spec.teacher:  # the KL pairs: learner full-vocabulary log-probs here, the teacher's from its pass
             starts = (torch.cumsum(lengths, 0) - lengths).tolist()
             pos = torch.cat([s_pos + start for (s_pos, _), start in zip(it.rows, starts)]).to(dev)  # [P]
