@@ -31,7 +31,6 @@ DOC = ROOT / "docs" / "TINKER_COMPATIBILITY.md"
 
 # Methods whose endpoints Whitney does not serve, and why. Anything else uncovered is simply untested.
 NOT_SERVED = {
-    "create_custom_loss": "server-side custom losses; forward_backward_custom with a callable works",
     "get_billing_usage": "billing (a self-hosted server bills nobody)",
     "get_current_checkpoint_storage_usage": "billing (a self-hosted server bills nobody)",
 }
@@ -147,11 +146,11 @@ def render(methods, calls, passed, skips) -> str:
         lines.append("")
     lines += ["## Totals", "", " · ".join(f"{k}: {v}" for k, v in totals.items()), ""]
     lines += ["## tinker-cookbook 0.6.1 recipes", "",
-              "Run unmodified, offline, by `tests/tinker/test_cookbook.py` (skipped unless the cookbook is "
-              "installed; its docstring says how, since `tml-renderers` is not on PyPI).", ""]
-    for test in sorted(t for t in calls if t.startswith("test_cookbook.py::")):
+              "Run unmodified, offline, on the tiny model by `tests/tinker/test_cookbook*.py` (`make test` installs "
+              "the cookbook; test_cookbook.py's docstring says how, since `tml-renderers` is not on PyPI).", ""]
+    for test in sorted(t for t in calls if t.startswith("test_cookbook")):
         status = "skipped" if test in skips else "pass" if passed.get(test) else "FAIL"
-        lines.append(f"- `{test.split('::')[1]}`: {status}")
+        lines.append(f"- `{test.split('::')[0]}::{test.split('::')[1]}`: {status}")
     lines += ["", NOTES]
     return "\n".join(lines)
 
@@ -164,13 +163,21 @@ NOTES = """## Behaviour worth knowing
   2-D (soft) `target_tokens`/`weights` may be sparse CSR; absent cells are 0.
 - Losses: `cross_entropy`, `importance_sampling`, `ppo` and `cispo` (absolute `clip_low_threshold` /
   `clip_high_threshold`, default 0.8 / 1.2), `dro` (`beta`), `gspo` (GSPO-token: needs
-  `sequence_ratio_mask`; clipped like ppo). `stable_reinforce` (its objective is not published) and
-  `custom` fail their future as a user error saying so; so does a per-datum input no loss takes.
+  `sequence_ratio_mask`; clipped like ppo), and server-side custom losses (`create_custom_loss`, then
+  `forward_backward_custom` with the handle; the graph is rebuilt from an allow-list of operations, never
+  executed as Python). `stable_reinforce` is not served: its objective, and the stability information its
+  sampler records (`record_stability_info`), are not published; it fails its future as a user error saying
+  so, as does a per-datum input no loss takes.
 - `optim_step` honours `learning_rate`, `beta1`, `beta2`, `eps`, `weight_decay`, `grad_clip_norm`; Adam only.
+  The Dimuon optimizer is not served: its definition is not published. Choosing it at model creation
+  (`optimizer_config`) is a 400 naming the field; an `optim_step` with `DimuonParams` fails its future as a user
+  error saying only Adam is served.
 - Sampling honours `max_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `stop` (strings or token ids;
-  `[]` disables EOS), `num_samples`, prompt log-probs, `topk_prompt_logprobs`, `prompt_logprobs_last_n`.
-  `topk_sample_logprobs`, `target_prompt_logprobs`, `prompt_alt_tokens_k` and `record_stability_info`
-  are refused with a 400 rather than ignored. Samplers are snapshots (an `inflight` save is a snapshot).
+  `[]` disables EOS), `num_samples`, prompt log-probs, `topk_prompt_logprobs` and `topk_sample_logprobs`
+  (at most 100; the SDK's empty slots, token 0 with log-prob -99999, where a position has none),
+  `prompt_logprobs_last_n`, and `target_prompt_logprobs` (dense or sparse CSR; the answer has the request's
+  layout). `prompt_alt_tokens_k` and `record_stability_info` are refused with a 400 rather than ignored.
+  Samplers are snapshots (an `inflight` save is a snapshot).
 - `save_state` honours `overwrite` (without it an existing name is refused). Checkpoint `ttl_seconds` (1 s to
   10 years here; Tinker's lower bound of an hour is not enforced) and `user_metadata` are kept: an expired
   checkpoint reads 404 and the server deletes it (files and row) within seconds, never while a load, sample,
@@ -188,8 +195,11 @@ NOTES = """## Behaviour worth knowing
   Chrome trace-event JSON document (Perfetto opens it; not Tinker's `.pftrace` protobuf); `get_audit_log`
   lists the key's operations of the day as `operation_<kind>` events (no projects, teams or organizations).
 - A clash with the state is a 400, never a 409: the SDK retries 409 and 5xx for minutes.
-- Recipes: `math_rl` defaults to `loss_fn=stable_reinforce`, which is not served; pass
+- Recipes: `math_rl` defaults to `loss_fn=stable_reinforce`, which is not served (see Losses); pass
   `loss_fn=importance_sampling` (or ppo, cispo, dro, gspo). A local model directory works as `model_name`.
+  `sdft` (self-distillation on the teacher's `topk_prompt_logprobs`) runs in its default forward-KL mode;
+  its `reverse=True` mode needs the forward output `logprobs` of [N, K] `target_tokens` as [N, K], and
+  Whitney returns one weight-normalised log-prob per position ([N]).
 """
 
 

@@ -111,9 +111,9 @@ def test_save_weights_and_get_sampling_client(service_client, trained):
 
 def test_unsupported_sampling_fields_are_refused(service_client, trained):
     sc = service_client.create_sampling_client(model_path=trained["path"]).result()
-    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
+    with pytest.raises(tinker.BadRequestError, match="prompt_alt_tokens_k"):
         sc.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2),
-                  topk_sample_logprobs=2).result()
+                  prompt_alt_tokens_k=2).result()
 
 
 def test_sampling_an_unknown_path_is_a_user_error(service_client, trained):

@@ -36,11 +36,12 @@ import torch
 from whitney.engine.config import EngineConfig
 from whitney.engine.lora import Adapter, RowGroups
 from whitney.engine.model import BaseModel, full_logprobs
+from whitney.engine.prompt_scores import score_prompt, validate_targets
 from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, unembed
 from whitney.errors import check
 
 MAX_TOPK_PROMPT_LOGPROBS = 100
-MAX_TOP_LOGPROBS = 20  # alternatives reported per generated token (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20  # the OpenAI routes' bound on alternatives per generated token (the engine's is the one above)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,14 @@ class SamplingParams:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     top_logprobs: int = 0  # the k most likely tokens (and their log-probs) at each generated position
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt positions (earlier ones None)
+    # [P-1, K] token ids: cell [i][j] is scored at prompt position i + 1; -1 asks for nothing.
+    target_prompt_logprobs: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prefill keeps logits at every prompt position (for prompt log-probs of any kind)."""
+        return self.prompt_logprobs or self.topk_prompt_logprobs > 0 or self.target_prompt_logprobs is not None
 
 
 @dataclass
@@ -87,6 +96,7 @@ class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None  # [P], first None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # [P] of k (token, logprob)
+    target_prompt_logprobs: list[list[float | None]] | None = None  # [P-1, K], None where the id was -1
 
 
 @dataclass
@@ -174,8 +184,15 @@ def validate(prompt: list[int], params: SamplingParams, model, max_samples: int)
     k, k_max = params.topk_prompt_logprobs, min(MAX_TOPK_PROMPT_LOGPROBS, vocab)
     check(_int(k) and 0 <= k <= k_max,
           f"topk_prompt_logprobs must be from 0 to {k_max}, got {k!r}", field="topk_prompt_logprobs")
-    k, k_max = params.top_logprobs, min(MAX_TOP_LOGPROBS, vocab)
+    k, k_max = params.top_logprobs, min(MAX_TOPK_PROMPT_LOGPROBS, vocab)
     check(_int(k) and 0 <= k <= k_max, f"top_logprobs must be from 0 to {k_max}, got {k!r}", field="top_logprobs")
+    n = params.prompt_logprobs_last_n
+    check(n is None or (_int(n) and 1 <= n <= len(prompt) - 1 and (params.prompt_logprobs or
+                                                                     params.topk_prompt_logprobs > 0)),
+          f"prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs and must be from 1 to "
+          f"len(prompt) - 1 = {len(prompt) - 1}, got {n!r}", field="prompt_logprobs_last_n")
+    if params.target_prompt_logprobs is not None:
+        validate_targets(params.target_prompt_logprobs, len(prompt), vocab, MAX_TOPK_PROMPT_LOGPROBS)
     check(params.stop is None or isinstance(params.stop, (list, tuple)),
           f"stop must be a list of strings, token ids or token-id lists, got {params.stop!r}", field="stop")
     for s in params.stop or ():
@@ -335,7 +352,7 @@ class Sampler:
         new_rows, first_logits, copies = [], [], []
         for i, r in enumerate(requests):
             n, p = r.params.num_samples, len(r.prompt)
-            want_all = r.params.prompt_logprobs or r.params.topk_prompt_logprobs > 0
+            want_all = r.params.scores_prompt
             try:
                 h = hidden[i, :p] if want_all else hidden[i, p - 1:p]
                 logits = unembed(self.base, h, RowGroups([(0, h.shape[0], r.adapter)]))  # [p or 1, V]
@@ -364,16 +381,10 @@ class Sampler:
         self._record(len(self.rows) - len(new_rows), chosen, lps)
 
     def _prompt_logprobs(self, r: SampleRequest, logits: torch.Tensor) -> None:
-        """Prompt log-probs [P] (first None) and, if asked, the top-k alternatives at each position."""
-        lp = full_logprobs(logits[:-1])  # [P-1, V]: position t predicts prompt[t + 1]
-        targets = torch.tensor(r.prompt[1:], dtype=torch.int64, device=logits.device)
-        if r.params.prompt_logprobs:
-            r.result.prompt_logprobs = [None] + lp.gather(1, targets[:, None])[:, 0].tolist()
-        k = r.params.topk_prompt_logprobs
-        if k > 0:
-            top = torch.topk(lp, k, dim=-1)
-            r.result.topk_prompt_logprobs = [None] + [
-                list(zip(ids, vals)) for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
+        """The prompt's scores (prompt_scores.score_prompt) from its logits [P, V], into the result."""
+        res = r.result
+        res.prompt_logprobs, res.topk_prompt_logprobs, res.target_prompt_logprobs = score_prompt(r.prompt, r.params,
+                                                                                                 logits)
 
     def _decode(self) -> None:
         groups = _adapter_groups(self.rows, self.device)

@@ -71,6 +71,7 @@ def sample_result_dict(result) -> dict:
                       for s in result.sequences],
         "prompt_logprobs": result.prompt_logprobs,
         "topk_prompt_logprobs": result.topk_prompt_logprobs,
+        "target_prompt_logprobs": result.target_prompt_logprobs,
     }
 
 

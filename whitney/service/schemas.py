@@ -271,6 +271,9 @@ class SampleRequest(WeightsRef):
     stop: list[Annotated[str, Field(min_length=1)] | TokenId | Tokens] | None = None
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=100)  # engine.sampler.MAX_TOPK_PROMPT_LOGPROBS
+    topk_sample_logprobs: int = Field(0, ge=0, le=100)  # each sequence's top_logprobs; the same bound
+    prompt_logprobs_last_n: int | None = Field(None, ge=1)  # at most len(prompt) - 1 (engine.sampler.validate)
+    target_prompt_logprobs: list[list[int]] | None = None  # [len(prompt) - 1, K] ids, -1: none (engine.prompt_scores)
 
 
 class LogprobsRequest(WeightsRef):

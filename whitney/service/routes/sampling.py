@@ -59,7 +59,10 @@ def sample(body: schemas.SampleRequest, st: State, who: Owner):
                             stop=None if body.stop is None else tuple(tuple(s) if isinstance(s, list) else s
                                                                       for s in body.stop),
                             num_samples=body.num_samples, prompt_logprobs=body.prompt_logprobs,
-                            topk_prompt_logprobs=body.topk_prompt_logprobs)
+                            topk_prompt_logprobs=body.topk_prompt_logprobs, top_logprobs=body.topk_sample_logprobs,
+                            prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+                            target_prompt_logprobs=None if body.target_prompt_logprobs is None else
+                            tuple(tuple(r) for r in body.target_prompt_logprobs))
     return start_sample(st, who, body, body.prompt, params)
 
 

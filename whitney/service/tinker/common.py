@@ -56,7 +56,6 @@ class TinkerState:
 
     samplers: dict[str, Sampler] = field(default_factory=dict)
     sampler_of_op: dict[str, str] = field(default_factory=dict)  # save_weights_for_sampler op -> sampler id
-    last_n: dict[str, int] = field(default_factory=dict)  # sample op -> prompt_logprobs_last_n
     copies: dict[tuple[str, str], str] = field(default_factory=dict)  # (owner, X-Idempotency-Key) -> copy's path
     lock: threading.Lock = field(default_factory=threading.Lock)
 

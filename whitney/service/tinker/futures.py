@@ -47,7 +47,7 @@ async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
     if op["kind"] in (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD):
         return Response(proto.encode_forward_backward_output(op["result"]), media_type=PROTOBUF)
     if op["kind"] == OperationKind.SAMPLE:
-        return Response(proto.encode_sample_response(op["result"], ts.last_n.get(op["id"])), media_type=PROTOBUF)
+        return Response(proto.encode_sample_response(op["result"]), media_type=PROTOBUF)
     out = training.result(op, st)
     sampler_id = ts.sampler_of_op.get(op["id"])
     if sampler_id is not None:

@@ -13,8 +13,10 @@ Field numbers (from the SDK's descriptor):
   ForwardBackwardOutput: loss_fn_output_type 1, loss_fn_outputs 2 (ArrayRecord), metrics 3 (map<string, double>)
   ArrayRecord: type_tag 1, fields 2 (map<string, BatchedTensor>), num_datums 3
   BatchedTensor: data 1, offsets 2 (int64 byte offsets), dtype 3, trailing_shape 4
-  SampleResponse: sequences 1, prompt_logprobs 2 (float32 bytes), topk_prompt_logprobs 3, prompt_cache_hit_tokens 4
-  SampledSequence: stop_reason 1 (0 stop, 1 length), tokens 2 (int32 bytes), logprobs 3 (float32 bytes), topk 4
+  SampleResponse: sequences 1, prompt_logprobs 2 (float32 bytes), topk_prompt_logprobs 3, prompt_cache_hit_tokens 4,
+      target_prompt_logprobs 5 (Tensor)
+  SampledSequence: stop_reason 1 (0 stop, 1 length), tokens 2 (int32 bytes), logprobs 3 (float32 bytes),
+      topk_sampled_logprobs 4
   TopkLogprobs: token_ids 1 (int32 bytes), logprobs 2 (float32 bytes), k 3, length 4
 """
 
@@ -375,21 +377,40 @@ def _topk(rows: list[list[tuple[int, float]] | None]) -> bytes:
     return _len(1, _i32(ids)) + _len(2, _f32(lps)) + _int(3, k) + _int(4, len(rows))
 
 
-def encode_sample_response(result: dict, last_n: int | None = None) -> bytes:
-    """The native sample result as Tinker's SampleResponse. `last_n`: only the last n prompt log-probs."""
+def encode_sample_response(result: dict) -> bytes:
+    """The native sample result as Tinker's SampleResponse (the engine already applied prompt_logprobs_last_n)."""
     msg = b""
     for seq in result["sequences"]:
         body = _int(1, 0 if seq["stop_reason"] == "stop" else 1)
         body += _len(2, _i32(seq["tokens"])) + _len(3, _f32(seq["logprobs"]))
+        if seq.get("top_logprobs") is not None:  # topk_sample_logprobs: [len(tokens), k]
+            body += _len(4, _topk([[tuple(x) for x in r] for r in seq["top_logprobs"]]))
         msg += _len(1, body)
     prompt = result.get("prompt_logprobs")
     if prompt is not None:
-        if last_n is not None:
-            prompt = [None] * (len(prompt) - last_n) + prompt[len(prompt) - last_n:]
         msg += _len(2, _f32(prompt))
     topk = result.get("topk_prompt_logprobs")
     if topk is not None:
-        if last_n is not None:
-            topk = [None] * (len(topk) - last_n) + topk[len(topk) - last_n:]
         msg += _len(3, _topk([[tuple(x) for x in r] if r else None for r in topk]))
+    if result.get("target_prompt_logprobs") is not None:
+        msg += _len(5, _target_tensor(result["target_prompt_logprobs"]))
     return msg
+
+
+def _target_tensor(rows: list[list[float | None]]) -> bytes:
+    """target_prompt_logprobs [P-1, K] as a float32 Tensor, 0.0 where nothing was asked (None). Sparse CSR
+    with only the asked cells when that is smaller, by the SDK's own rule (TensorData.from_torch_sparse), so a
+    sparse request gets a sparse answer; either way `to_torch()` gives the same dense tensor."""
+    n, k = len(rows), len(rows[0])
+    cells = [(r, c, v) for r, row in enumerate(rows) for c, v in enumerate(row) if v is not None]
+    shape = _len(4, b"".join(_enc_varint(d) for d in (n, k))) + _int(3, DTYPE_FLOAT32)
+    if (n + 1) + 2 * len(cells) >= n * k:
+        return _len(1, _f32([0.0 if v is None else v for row in rows for v in row])) + shape
+    crow = [0] * (n + 1)
+    for r, _, _ in cells:
+        crow[r + 1] += 1
+    for r in range(n):
+        crow[r + 1] += crow[r]
+    csr = (_len(1, _f32([v for _, _, v in cells])) + _len(2, struct.pack(f"<{n + 1}q", *crow))
+           + _len(3, struct.pack(f"<{len(cells)}q", *[c for _, c, _ in cells])))
+    return _len(2, csr) + shape

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from whitney.engine.sampler import SamplingParams
+from whitney.engine.sampler import MAX_TOPK_PROMPT_LOGPROBS, SamplingParams
 from whitney.errors import InvalidInput, NotFound
 from whitney.service import schemas
 from whitney.service.deps import Owner, State
@@ -87,11 +87,41 @@ class ASample(TinkerBody):
 
 def _unsupported(body: ASample) -> None:
     """Fields this server cannot honour are refused, never ignored."""
-    for name, given in (("topk_sample_logprobs", body.topk_sample_logprobs), ("prompt_alt_tokens_k",
-                        body.prompt_alt_tokens_k), ("target_prompt_logprobs", body.target_prompt_logprobs),
+    for name, given in (("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
                         ("record_stability_info", body.record_stability_info)):
         if given:
             raise InvalidInput(f"{name} is not supported by this server", field=name)
+
+
+def _targets(tensor: dict[str, Any], prompt_len: int) -> tuple[tuple[int, ...], ...]:
+    """The SDK's target_prompt_logprobs TensorData (int64 [P-1, K], dense or sparse CSR) as rows of ids,
+    -1 in every cell a sparse tensor leaves out. The shape is checked before anything is made; the ids by
+    the engine."""
+    field = "target_prompt_logprobs"
+    data, shape = tensor.get("data"), tensor.get("shape")
+    crow, col = tensor.get("sparse_crow_indices"), tensor.get("sparse_col_indices")
+    if tensor.get("dtype") != "int64" or not isinstance(data, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in data):
+        raise InvalidInput(f"{field} must be an int64 tensor of token ids", field=field)
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) for d in shape)
+            and shape[0] == prompt_len - 1 and 1 <= shape[1] <= MAX_TOPK_PROMPT_LOGPROBS):
+        raise InvalidInput(f"{field} must have shape [len(prompt) - 1 = {prompt_len - 1}, K] with K from 1 to "
+                           f"{MAX_TOPK_PROMPT_LOGPROBS}, got {shape}", field=field)
+    rows, width = shape
+    if crow is None and col is None:
+        if len(data) != rows * width:
+            raise InvalidInput(f"{field}: {len(data)} values do not fill shape {shape}", field=field)
+        return tuple(tuple(data[r * width:(r + 1) * width]) for r in range(rows))
+    if not (isinstance(crow, list) and isinstance(col, list) and len(crow) == rows + 1 and crow[0] == 0
+            and crow[-1] == len(data) == len(col) and all(a <= b for a, b in zip(crow, crow[1:]))
+            and all(isinstance(c, int) and 0 <= c < width for c in col)):
+        raise InvalidInput(f"{field}: sparse CSR indices do not match shape {shape} and {len(data)} values",
+                           field=field)
+    out = [[-1] * width for _ in range(rows)]
+    for r in range(rows):
+        for i in range(crow[r], crow[r + 1]):
+            out[r][col[i]] = data[i]
+    return tuple(tuple(row) for row in out)
 
 
 @router.post("/asample")
@@ -109,9 +139,11 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     else:
         ref = schemas.WeightsRef(base_model=served(st, body.base_model))
     last_n = body.prompt_logprobs_last_n
-    if last_n is not None and (not body.prompt_logprobs or not 1 <= last_n <= len(prompt) - 1):
-        raise InvalidInput("prompt_logprobs_last_n needs prompt_logprobs and must be in [1, len(prompt) - 1]",
-                           field="prompt_logprobs_last_n")
+    if not 0 <= body.topk_sample_logprobs <= MAX_TOPK_PROMPT_LOGPROBS:  # the engine names it top_logprobs
+        raise InvalidInput(f"topk_sample_logprobs must be from 0 to {MAX_TOPK_PROMPT_LOGPROBS}",
+                           field="topk_sample_logprobs")
+    if last_n is not None and not body.prompt_logprobs:  # as the SDK documents; its range is the engine's check
+        raise InvalidInput("prompt_logprobs_last_n needs prompt_logprobs", field="prompt_logprobs_last_n")
     p = body.sampling_params
     stop = None if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
     max_tokens = p.max_tokens
@@ -120,10 +152,9 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
         max_tokens = st.model_info(base_model).max_context - len(prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                             seed=p.seed, stop=stop, num_samples=body.num_samples,
-                            prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
-                            topk_prompt_logprobs=body.topk_prompt_logprobs)
+                            prompt_logprobs=bool(body.prompt_logprobs),
+                            topk_prompt_logprobs=body.topk_prompt_logprobs, top_logprobs=body.topk_sample_logprobs,
+                            prompt_logprobs_last_n=last_n, target_prompt_logprobs=None if
+                            body.target_prompt_logprobs is None else _targets(body.target_prompt_logprobs, len(prompt)))
     op = start_sample(st, who, ref, prompt, params)
-    if last_n is not None:
-        with ts.lock:
-            ts.last_n[op["id"]] = last_n
     return {"request_id": op["id"], "sample_sequence_ids": [f"{op['id']}:{i}" for i in range(body.num_samples)]}
