@@ -56,3 +56,19 @@ def postgres():
         pytest.skip("PostgreSQL is not installed (make test installs Debian's postgresql)")
     with PostgresServer() as server:
         yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    """A fresh database: a SQLite file, or a new database on the session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 's.db'}"
+    return request.getfixturevalue("postgres").new_database()
+
+
+@pytest.fixture
+def store(db_url):
+    """A Store on each kind of database in turn."""
+    from whitney.service.store import Store
+
+    return Store(db_url)

@@ -18,13 +18,6 @@ FB_RESULT = {"loss": 12.0, "metrics": {"loss:sum": 12.0, "tokens:sum": 4.0, "rat
 OPTIM_RESULT = {"metrics": {"grad_norm": 2.5, "step": 1.0, "learning_rate": 1e-3, "learning_rate_lora_B": 1e-3}}
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path) -> Store:
-    if request.param == "sqlite":
-        return Store(f"sqlite:///{tmp_path / 's.db'}")
-    return Store(request.getfixturevalue("postgres").new_database())
-
-
 def operation(store: Store, run_id: str, seq_id: int, kind: OperationKind, status: OperationStatus,
               result: dict | None = None, error: dict | None = None) -> str:
     op, _ = store.submit_operation("me", run_id, seq_id, kind, f"d{seq_id}")

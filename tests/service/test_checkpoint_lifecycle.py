@@ -25,18 +25,6 @@ from whitney.service.lifecycle import OperationKind, OperationStatus
 from whitney.service.store import Store
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 's.db'}"
-    return request.getfixturevalue("postgres").new_database()
-
-
-@pytest.fixture
-def store(db_url) -> Store:
-    return Store(db_url)
-
-
 def new_package(store: Store, tmp_path: Path, owner: str = "me", name: str = "ckpt") -> dict:
     """A run of a new session with one saved-state package whose directory holds one file."""
     session = store.create_session(owner)

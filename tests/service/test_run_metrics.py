@@ -22,13 +22,6 @@ from whitney.service.store import Store
 KEY_A, KEY_B = "tml-metrics-key-a", "tml-metrics-key-b"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path) -> Store:
-    if request.param == "sqlite":
-        return Store(f"sqlite:///{tmp_path / 's.db'}")
-    return Store(request.getfixturevalue("postgres").new_database())
-
-
 def new_run(store: Store, owner: str = "me") -> str:
     session = store.create_session(owner)
     return store.create_run(session["id"], owner, "tiny", {"rank": 4}, None, False, None)["id"]

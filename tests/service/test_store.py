@@ -13,19 +13,6 @@ from whitney.service.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERA
 from whitney.service.store import Store, digest
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path) -> str:
-    """A fresh database: a SQLite file, or a new database on the session's PostgreSQL server."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 's.db'}"
-    return request.getfixturevalue("postgres").new_database()
-
-
-@pytest.fixture
-def store(db_url) -> Store:
-    return Store(db_url)
-
-
 def new_run(store: Store, owner: str = "me", status: RunStatus = RunStatus.ACTIVE) -> str:
     """A run of a new session, moved to `status` in one step (every status is one move from active)."""
     session = store.create_session(owner)

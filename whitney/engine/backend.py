@@ -194,7 +194,7 @@ class Backend(Protocol):
 
 
 @dataclass
-class InProcessBackend:
+class InProcessBackend(chat.TextMethods):
     """The Backend over an `Engine` in this process (its numbers are the engine's, unchanged)."""
 
     engine: Engine
@@ -325,17 +325,6 @@ class InProcessBackend:
         if base is None:
             raise InvalidInput(f"base model {base_model!r} is not served here", field="base_model")
         return base.tokenizer
-
-    def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
-                    mark_assistant: bool = False) -> chat.ChatTokens:
-        return chat.render_chat(self.tokenizer(base_model), base_model, messages, add_generation_prompt,
-                                mark_assistant)
-
-    def encode(self, base_model: str, text: str) -> list[int]:
-        return chat.encode(self.tokenizer(base_model), text)
-
-    def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        return chat.decode(self.tokenizer(base_model), sequences, skip_special_tokens)
 
     def take_lost_runs(self) -> list[str]:
         return []  # the engine lives and dies with this process

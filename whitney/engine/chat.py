@@ -85,3 +85,21 @@ def decode(tokenizer, sequences: list[list[int]], skip_special_tokens: bool = Tr
     spaces, so a text decoded in pieces joins up to the text decoded whole."""
     return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
             for s in sequences]
+
+
+class TextMethods:
+    """The Backend protocol's text methods, for a backend that can hand out each served model's own
+    tokenizer (`tokenizer(base_model)`): InProcessBackend from its engine, RayBackend from its trainers."""
+
+    def tokenizer(self, base_model: str):
+        raise NotImplementedError
+
+    def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
+                    mark_assistant: bool = False) -> ChatTokens:
+        return render_chat(self.tokenizer(base_model), base_model, messages, add_generation_prompt, mark_assistant)
+
+    def encode(self, base_model: str, text: str) -> list[int]:
+        return encode(self.tokenizer(base_model), text)
+
+    def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return decode(self.tokenizer(base_model), sequences, skip_special_tokens)

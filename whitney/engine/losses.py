@@ -57,8 +57,12 @@ def importance_sampling(lp: torch.Tensor, inputs: dict[str, torch.Tensor], confi
 
 def ppo(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> LossOutput:
     """L = -sum_t min(r_t A_t, clip(r_t, low, high) A_t) with absolute bounds low, high."""
-    adv = inputs["advantages"]
-    ratio = torch.exp(lp - inputs["old_logprobs"])
+    return _clipped_surrogate(lp, torch.exp(lp - inputs["old_logprobs"]), inputs["advantages"], config)
+
+
+def _clipped_surrogate(lp: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, config: dict) -> LossOutput:
+    """L = -sum_t min(r_t A_t, clip(r_t, low, high) A_t) for ratios r [N] (ppo's per token, gspo's per
+    datum), summed over tokens; `clipped_fraction:mean` is the share of tokens the clip bound."""
     clipped = torch.clamp(ratio, config["low"], config["high"])
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     loss = per_token.sum()
@@ -102,13 +106,7 @@ def gspo(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> Los
     sums = lp.new_zeros(B).index_add(0, rows, (lp.detach() - inputs["old_logprobs"]) * marked)  # [B]
     counts = lp.new_zeros(B).index_add(0, rows, marked)  # [B], >= 1 each (check_row)
     ratio = torch.exp((sums / counts)[rows] + lp - lp.detach())  # [N]: value s_b, d/dl_t = s_b
-    adv = inputs["advantages"]
-    clipped = torch.clamp(ratio, config["low"], config["high"])
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
-    loss = per_token.sum()
-    frac = float(((ratio * adv) > (clipped * adv)).float().mean()) if lp.numel() else 0.0
-    return LossOutput(loss, per_token.detach(), lp.detach(),
-                      _metrics(loss, lp.shape[0], **{"clipped_fraction:mean": frac}))
+    return _clipped_surrogate(lp, ratio, inputs["advantages"], config)
 
 
 def _gspo_row(d: PreparedDatum, index: int, config: dict) -> None:

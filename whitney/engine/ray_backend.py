@@ -75,7 +75,7 @@ class _Worker:
         return f"the {self.role} worker of {self.model!r} (pid {self.pid}{ranks})"
 
 
-class RayBackend:
+class RayBackend(chat.TextMethods):
     """The Backend over Ray actors (see the module docstring). Thread-safe between the scheduler's
     training thread and its sampling thread (`separate_sampling`)."""
 
@@ -402,7 +402,7 @@ class RayBackend:
 
     # ---- the model's tokenizer, here in the control plane ----------------------------------------------
 
-    def _tokenizer(self, base_model: str):
+    def tokenizer(self, base_model: str):
         """The model's own tokenizer, fetched from its trainer once (pickled, so no node needs the model's
         files but the workers); later calls never leave this process."""
         model = self._model(base_model)
@@ -410,17 +410,6 @@ class RayBackend:
             if model not in self._tokenizers:
                 self._tokenizers[model] = self._call(self._trainers[model], "tokenizer", model)
             return self._tokenizers[model]
-
-    def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
-                    mark_assistant: bool = False) -> chat.ChatTokens:
-        return chat.render_chat(self._tokenizer(base_model), base_model, messages, add_generation_prompt,
-                                mark_assistant)
-
-    def encode(self, base_model: str, text: str) -> list[int]:
-        return chat.encode(self._tokenizer(base_model), text)
-
-    def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        return chat.decode(self._tokenizer(base_model), sequences, skip_special_tokens)
 
     @property
     def sampling(self) -> int:
