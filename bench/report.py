@@ -6,7 +6,8 @@ import json
 import math
 from pathlib import Path
 
-ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster", "peers"]
+ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster", "peers",
+         "general"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -112,6 +113,16 @@ def absolute(name: str, r: dict) -> str:
                          f"(c) p50 {x.get('c_median_ms', '-')} ms / p90 {x.get('c_p90_ms', '-')} ms "
                          f"(SDK {x.get('sdk', '?')}, load {x.get('loadavg_start', '?')})")
         return "; ".join(parts)
+    if name == "general":
+        parts = []
+        for kind, x in r["families"].items():
+            if "error" in x:
+                parts.append(f"{kind}: failed ({x['error'][:200]})")
+                continue
+            s, t = x["seconds_per_step"], x["tokens_per_s"]
+            parts.append(f"{kind}: SFT {s['whitney']:.2f} vs PEFT {s['peft']:.2f} s/step; sampling {t['whitney']:.1f} "
+                         f"(LoRA {t['whitney_lora']:.1f}) vs HF {t['hf_batch']:.1f} tok/s")
+        return "; ".join(parts)
     return ""
 
 
@@ -206,6 +217,21 @@ def plots(results: dict[str, dict], out_dir: Path) -> list[str]:
         ]:
             bars(ax, who, [r["results"][k].get(key, float("nan")) for k in who], ylabel, title)
         save(fig, "bench_peers.png")
+    r = results.get("general")
+    if r and "error" not in r:
+        fams = {k: x for k, x in r["families"].items() if "error" not in x}
+        if fams:
+            fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(fams)), 3.4))
+            xs = range(len(fams))
+            ax.bar([i - 0.2 for i in xs], [x["sft_ratio"] for x in fams.values()], 0.4, label="SFT step, Whitney / PEFT")
+            ax.bar([i + 0.2 for i in xs], [x["sampling_ratio"] for x in fams.values()], 0.4,
+                   label="sampling tok/s, Whitney / HF batched")
+            ax.axhline(1.0, color="red", linestyle="--", linewidth=1)
+            ax.set_xticks(list(xs), list(fams), rotation=30, fontsize=8)
+            ax.set_ylabel("ratio (SFT: <= 1 good; sampling: >= 1 good)", fontsize=8)
+            ax.legend(fontsize=7)
+            ax.set_title("general path per family", fontsize=10)
+            save(fig, "bench_general.png")
     return made
 
 
@@ -294,6 +320,13 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "`run_bench.sh`, 2 adapter slots): (a) SFT rank 32, 8 x 128 tokens, pipelined, median over 10 steps; "
         "(b) 16 concurrent samples of 64 tokens, median over 3 waves; (c) forward of 1 x 8 tokens, p50 of 20. "
         "Targets >= 1.2x, >= 2x, < 20 ms.",
+        "- **general**: per general-path family (tests/models.py `GENERAL_KINDS` but the composite checkpoints), a "
+        "random model of 4 layers, hidden 256, heads of 64, MLP 512 (MoE: 8 experts of 128, top 2), the SmolLM2 "
+        "tokenizer's 49152-token vocabulary, in-process `Engine` (not HTTP): (a) SFT steps (forward_backward + "
+        "optim_step, 8 x 128 tokens, LoRA r=alpha=16 on every adaptable module and lm_head) against HF + PEFT "
+        "with the run's own exported adapter loaded trainable (same modules) and `torch.optim.AdamW`; (b) 8 chat "
+        "prompts x 32 new tokens at temperature 1 on the base weights against HF `generate` batched with left "
+        "padding (and with a LoRA adapter, info). Targets: SFT <= 1.0x, sampling >= 1.0x.",
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"

@@ -5,8 +5,8 @@
     python -m bench --only sampling     # one benchmark (repeatable or comma-separated); the report is
                                         # re-rendered from every result file present
 
-Benchmarks: overhead, sharing, memory, sampling, latency, scaling, fairness, soak, cluster (see each module's
-docstring), and peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official SDK; needs SkyRL set up).
+Benchmarks: overhead, sharing, memory, sampling, latency, scaling, fairness, soak, cluster, general (see each
+module's docstring), and peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official SDK; needs SkyRL set up).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster"]
+BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster",
+              "general"]
 OPTIONAL = ["peers"]  # needs SkyRL installed (../shared/peers/skyrl/setup.sh): `make bench-peers`
 
 
