@@ -85,6 +85,29 @@ def sft_batch(n: int, length: int, seed: int = 0, prompt: int = 16) -> list[dict
     return [sft_datum(seq[:prompt], seq[prompt:]) for seq in random_tokens(n, length, seed)]
 
 
+def peft_sft_step(model):
+    """The plain HF + PEFT training step doing Whitney's math on `model` (a PeftModel): cross_entropy summed
+    over weighted tokens on float32 logits, AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-12, no decay). Returns
+    (step(batch) -> loss, the number of trainable parameters)."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+
+    def step(batch: list[dict]) -> float:
+        ids = torch.tensor([d["input"]["token_ids"] for d in batch])  # [B, T]
+        targets = torch.tensor([d["loss_inputs"]["target_tokens"]["values"] for d in batch])  # [B, T]
+        weights = torch.tensor([d["loss_inputs"]["weights"]["values"] for d in batch])  # [B, T]
+        logits = model(input_ids=ids).logits.float()  # [B, T, V]
+        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        loss = (per_token * weights.flatten()).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step, sum(p.numel() for p in params)
+
+
 def engine_datums(batch: list[dict]):
     from whitney.engine import Datum
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import alternate, engine_datums, median, sft_batch
+from bench.common import alternate, engine_datums, median, peft_sft_step, sft_batch
 
 # One geometry for every family (each family's own extras from tests/models.GENERAL_KINDS on top).
 GEOMETRY = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -92,23 +92,7 @@ def peft_loop(model_dir: str, adapter_dir: str, dtype: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = PeftModel.from_pretrained(hf, adapter_dir, is_trainable=True)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-
-    def step(batch: list[dict]) -> float:
-        ids = torch.tensor([d["input"]["token_ids"] for d in batch])  # [B, T]
-        targets = torch.tensor([d["loss_inputs"]["target_tokens"]["values"] for d in batch])  # [B, T]
-        weights = torch.tensor([d["loss_inputs"]["weights"]["values"] for d in batch])  # [B, T]
-        logits = model(input_ids=ids).logits.float()  # [B, T, V]
-        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        loss = (per_token * weights.flatten()).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step, sum(p.numel() for p in params)
+    return peft_sft_step(model)
 
 
 def sample_whitney(engine, ids: list[list[int]], tokens: int, weights: dict) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import alternate, engine_datums, median, sft_batch, start_server
+from bench.common import alternate, engine_datums, median, peft_sft_step, sft_batch, start_server
 from whitney.engine import DEFAULT_MODEL, Engine, LoraConfig
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -38,23 +38,7 @@ def peft_loop(model_dir: str, rank: int, dtype: str = "float32"):
         warnings.simplefilter("ignore")
         model = get_peft_model(hf, PeftLora(r=rank, lora_alpha=rank, lora_dropout=0.0,
                                             target_modules=TARGET_MODULES))
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-
-    def step(batch: list[dict]) -> float:
-        ids = torch.tensor([d["input"]["token_ids"] for d in batch])
-        targets = torch.tensor([d["loss_inputs"]["target_tokens"]["values"] for d in batch])
-        weights = torch.tensor([d["loss_inputs"]["weights"]["values"] for d in batch])
-        logits = model(input_ids=ids).logits.float()  # [B, T, V]
-        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        loss = (per_token * weights.flatten()).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step, sum(p.numel() for p in params)
+    return peft_sft_step(model)
 
 
 def run(quick: bool = False, dtype: str = "float32") -> dict:
