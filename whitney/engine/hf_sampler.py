@@ -30,7 +30,6 @@ Shape legend: B running rows, n rows of one request, R prompts of one length, P 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,7 @@ import torch
 from whitney.engine.general import adapted, decoder, new_cache
 from whitney.engine.lora import RowGroups
 from whitney.engine.model import BaseModel
-from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, _adapter_groups, _Row
+from whitney.engine.sampler import SampleRequest, Sampler, _adapter_groups, _Row
 from whitney.engine.transformer import unembed
 
 # Hidden states of the merged check must equal each row alone within this, times max(1, their scale).
@@ -271,34 +270,13 @@ class HFSampler(Sampler):
                 for r in requests:
                     self._prefill_same_length([r])
             return
-        new_rows, first_logits, copies = [], [], []
-        for i, r in enumerate(requests):
-            n, p = r.params.num_samples, len(r.prompt)
-            want_all = r.params.scores_prompt
-            try:
-                h = hidden[i] if want_all else hidden[i, p - 1:]
-                logits = unembed(self.base, h, RowGroups([(0, h.shape[0], r.adapter)]))  # [P or 1, V]
-                r.result = SampleResult([None] * n)
-                if want_all:
-                    self._prompt_logprobs(r, logits)
-            except Exception as e:
-                r.error = e
-                continue
-            first_logits.append(logits[-1:].expand(n, -1))
-            seed = r.params.seed if r.params.seed is not None else random.getrandbits(63)
-            new_rows += [_Row(r, s, torch.Generator(device="cpu").manual_seed((seed + 0x9E3779B97F4A7C15 * s) % 2**63))
-                         for s in range(n)]
-            copies += [i] * n
-            r.pending = n
-        if not new_rows:
+        admitted = self._first_tokens(requests, hidden)
+        if admitted is None:
             return
+        rows, copies, chosen, lps = admitted
         batch.select(copies)  # one cache row per prompt -> num_samples rows per request
-        chosen, lps = self._choose(torch.cat(first_logits), new_rows)
-        # The cache and the rows grow together; rows of a request that failed its choice leave in _record.
         self.cache.batches.append(batch)
-        self.rows += new_rows
-        self._pending_tokens = torch.cat([self._pending_tokens, chosen])
-        self._record(len(self.rows) - len(new_rows), chosen, lps)
+        self._add_rows(rows, chosen, lps)
 
     def _decode(self) -> None:
         """One token for every running row: one pass per batch (one batch unless the model cannot pad), then

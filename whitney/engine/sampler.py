@@ -13,9 +13,8 @@ Log-probs: each generated token's log-prob is log_softmax(logits) of the model a
 whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
 training `forward` give for that token, which is what an importance ratio against the learner needs.
 
-Streaming: a request submitted with `stream` set keeps the tokens its rows chose since the last
-`take_progress()` (with their log-probs), so a caller can hand them on while the request still runs; the
-final `result` holds every token either way.
+Streaming: a request submitted with `stream` keeps the tokens (and log-probs) its rows chose since the last
+`take_progress()`, for a caller to hand on while it runs; the final `result` holds every token either way.
 
 Devices: the cache, the batch and every choice live on the base model's device; each row's generator
 is a CPU generator on every device (one float64 uniform per row per token, copied to the device as one
@@ -349,6 +348,19 @@ class Sampler:
                 for r in requests:
                     self._prefill([r])
             return
+        admitted = self._first_tokens(requests, hidden)
+        if admitted is None:
+            return
+        rows, copies, chosen, lps = admitted
+        index = torch.tensor(copies, device=self.device)
+        lengths = torch.tensor([len(requests[i].prompt) for i in copies], device=self.device)
+        self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
+        self._add_rows(rows, chosen, lps)
+
+    def _first_tokens(self, requests: list[SampleRequest], hidden: torch.Tensor):
+        """From the prompts' hidden states [R, P, D] (right-padded): prompt scores when asked, and (rows, the prompt
+        each row copies its cache row from, first tokens [n], their log-probs [n]), or None if no request is
+        admitted. A request failing its unembedding or prompt scores gets the error and no rows."""
         new_rows, first_logits, copies = [], [], []
         for i, r in enumerate(requests):
             n, p = r.params.num_samples, len(r.prompt)
@@ -370,15 +382,15 @@ class Sampler:
             copies += [i] * n
             r.pending = n
         if not new_rows:
-            return
-        index = torch.tensor(copies, device=self.device)
-        lengths = torch.tensor([len(requests[i].prompt) for i in copies], device=self.device)
+            return None
         chosen, lps = self._choose(torch.cat(first_logits), new_rows)
-        # The cache and the rows grow together; rows of a request that failed its choice leave in _record.
-        self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
-        self.rows += new_rows
+        return new_rows, copies, chosen, lps
+
+    def _add_rows(self, rows: list[_Row], chosen: torch.Tensor, lps: torch.Tensor) -> None:
+        """Append admitted rows after their cache rows and record their first tokens (a failed choice leaves)."""
+        self.rows += rows
         self._pending_tokens = torch.cat([self._pending_tokens, chosen])
-        self._record(len(self.rows) - len(new_rows), chosen, lps)
+        self._record(len(self.rows) - len(rows), chosen, lps)
 
     def _prompt_logprobs(self, r: SampleRequest, logits: torch.Tensor) -> None:
         """The prompt's scores (prompt_scores.score_prompt) from its logits [P, V], into the result."""
