@@ -37,8 +37,20 @@ class TensorInput:
 
 
 @dataclass
+class ImageInput:
+    """One image of a model input, as the service hands it to the engine: the encoded bytes (PNG or JPEG,
+    already read from the request or from an allowed server-local path) and the number of positions the
+    client expects it to take once the model's processor expands it (None: not checked)."""
+
+    data: bytes
+    format: str  # "png" | "jpeg"
+    expected_tokens: int | None = None
+
+
+@dataclass
 class Datum:
-    token_ids: list[int] | list[list[int]]
+    # Flat token ids, or chunks concatenated in order: token chunks (lists of ids) and images.
+    token_ids: list[int] | list[list[int] | ImageInput]
     loss_inputs: dict[str, TensorInput | list] = field(default_factory=dict)
 
 
