@@ -277,6 +277,42 @@ def run_all(types: list[str], jobs: int = JOBS, timeout: float = TIMEOUT_S) -> l
     return [rows[t] for t in types]
 
 
+# The doc's section on images (vision-language checkpoints), written after the table.
+IMAGES = [
+    "",
+    "## Images",
+    "",
+    "Three vision-language families also take image chunks (`whitney/engine/vision.py`), each tested "
+    "against the Hugging Face model's own forward and `generate` and against a float64 HF + PEFT "
+    "reference (`tests/engine/test_vision.py`): `qwen3_5` (Qwen3_5ForConditionalGeneration), `qwen3_vl` "
+    "(Qwen3VLForConditionalGeneration, loaded with `AutoModelForImageTextToText`, so not in the table "
+    "above) and `gemma3` (Gemma3ForConditionalGeneration). A checkpoint takes images when its config has "
+    "a vision tower and its directory holds its image processor (`preprocessor_config.json` or "
+    "`processor_config.json`); without one it is served as its text model, as in the table.",
+    "",
+    "An image chunk occupies exactly the positions of the model's image placeholder token, as many as "
+    "the model's own image processor makes of that image (the Tinker SDK's `ModelInput.length` "
+    "convention: the chunk's `expected_tokens`); the markers around it are ordinary text tokens the "
+    "client writes itself, as the chat templates do:",
+    "",
+    "- `qwen3_5`, `qwen3_vl`: `grid_t * grid_h * grid_w / merge_size^2` positions of `<|image_pad|>`, "
+    "the grid being the processor's patches after its resize (a 448 x 448 image, patch 16, merge 2: 14 * "
+    "14 = 196); the client writes `<|vision_start|>` before and `<|vision_end|>` after. The image "
+    "advances the mrope position by `max(grid_h, grid_w) / merge_size`, not by its token count (the "
+    "model's own `get_rope_index`).",
+    "- `gemma3`: `mm_tokens_per_image` positions (256 in the released checkpoints) of "
+    "`<image_soft_token>`, which attend to each other both ways within the image; the client writes "
+    "`<start_of_image>` before and `<end_of_image>` after (the processor also puts a blank line on each "
+    "side).",
+    "",
+    "`target_tokens`, `weights`, `advantages` and the other per-position inputs have the expanded "
+    "length. `compute_logprobs` and a sample's prompt log-probs are None at the positions an image "
+    "occupies (the model predicts no image). The vision tower and the projector (Qwen's merger, Gemma "
+    "3's multi-modal projector) are frozen and not adaptable: LoRA adapts the language model's linears "
+    "(and `lm_head`). `opsd` refuses image chunks.",
+]
+
+
 def render(rows: list[dict], seconds: float) -> str:
     """The whole doc from every type's row (`seconds`: how long the run took)."""
     import transformers
@@ -311,7 +347,7 @@ def render(rows: list[dict], seconds: float) -> str:
     for r in rows:
         detail = r["detail"].replace("|", "\\|").replace("\n", " ")
         lines.append(f"| `{r['type']}` | {r['class']} | {r['support']} | {detail} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + IMAGES) + "\n"
 
 
 def read_table(path: Path = DOC) -> dict[str, dict]:

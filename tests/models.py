@@ -108,3 +108,73 @@ def make_tiny_general_model(out: Path, kind: str, seed: int = 0) -> Path:
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **dict(common, **GENERAL_KINDS[kind])))
     return _scale_and_save(model, out)
+
+
+# Vision-language checkpoints (engine/vision.py): the full model with its vision tower, saved with a processor
+# built offline (the family's image processor, PIL backend, with tiny image sizes; the SmolLM2 tokenizer with the
+# family's image tokens added, the vocabulary widened to cover them).
+VISION_VOCAB = VOCAB + 8
+_QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+_GEMMA_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+_QWEN_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2)
+VISION_KINDS = {
+    # Qwen3.5 as it ships (Gated DeltaNet + gated attention text model, mrope), the tiny qwen3_5_text geometry
+    "qwen3_5": dict(text="qwen3_5_text", cls="Qwen3_5ForConditionalGeneration",
+                    config=dict(vision_config=_QWEN_VISION)),
+    # Qwen3-VL: Qwen3 text model with interleaved mrope and deepstack (vision features added at layer 0)
+    "qwen3_vl": dict(text=None, cls="Qwen3VLForConditionalGeneration",
+                     config=dict(vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0]))),
+    # Gemma 3 (SigLIP, 28 x 28 images of 2 x 2 patches pooled to 4 soft tokens)
+    "gemma3": dict(text="gemma3_text", cls="Gemma3ForConditionalGeneration",
+                   config=dict(GENERAL_KINDS["gemma3"])),
+}
+
+
+def make_tiny_vision_model(out: Path, kind: str, seed: int = 0) -> Path:
+    """Write a tiny vision-language model of `kind` (a key of VISION_KINDS) with its processor to out; return out."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    torch.manual_seed(seed)
+    spec = VISION_KINDS[kind]
+    qwen = kind.startswith("qwen")
+    names = (("vision_start_token", "vision_end_token", "image_token", "video_token") if qwen
+             else ("boi_token", "eoi_token", "image_token"))
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir(), extra_special_tokens=dict(
+        zip(names, _QWEN_TOKENS if qwen else _GEMMA_TOKENS)))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (_QWEN_TOKENS if qwen else _GEMMA_TOKENS)}
+    if qwen:
+        text = dict(TINY, vocab_size=VISION_VOCAB, head_dim=16)
+        if spec["text"]:
+            text.update(GENERAL_KINDS[spec["text"]])
+        else:  # Qwen3-VL's text model: mrope sections over the 8 rotary pairs of head_dim 16
+            text.update(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                     "mrope_section": [4, 2, 2],
+                                                                     "mrope_interleaved": True})
+        tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                      vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+        config = AutoConfig.for_model(kind, text_config=text, **spec["config"], **tokens)
+        image_processor = transformers.Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                                                min_pixels=32 * 32, max_pixels=96 * 96)
+        processor = None  # Qwen3VLProcessor needs a video processor, which needs torchvision: saved as parts
+    else:
+        text = dict(TINY, vocab_size=VISION_VOCAB, **GENERAL_KINDS[spec["text"]])
+        config = AutoConfig.for_model(kind, text_config=text, **spec["config"],
+                                      image_token_id=ids["<image_soft_token>"],
+                                      boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"])
+        image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+        processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                                 image_seq_length=config.mm_tokens_per_image)
+    model = getattr(transformers, spec["cls"])(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or ".experts." in name:
+                p.normal_(0.0, 0.08 if "embed" in name or "lm_head" in name else 0.12)
+    model.save_pretrained(out)
+    if processor is not None:
+        processor.save_pretrained(out)
+    else:
+        image_processor.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    return out

@@ -1,8 +1,9 @@
 """Datums: plain lists in, validated tensors out.
 
-A datum is one sequence: input token ids (a list of chunks is concatenated) and named per-token
-tensors (`loss_inputs`). Every field is checked against the input length N before any compute, and
-a bad one raises an error naming the datum index, the field, the expected and the actual shape.
+A datum is one sequence: input token ids (a list of chunks is concatenated; an image chunk becomes the
+model's placeholder positions, engine/vision.py) and named per-token tensors (`loss_inputs`). Every field
+is checked against the (expanded) input length N before any compute, and a bad one raises an error naming
+the datum index, the field, the expected and the actual shape.
 
 Shapes: N input tokens of the datum; K candidates per position (soft targets); M teacher tokens (opsd).
 """
@@ -71,6 +72,7 @@ class PreparedDatum:
 
     tokens: torch.Tensor
     inputs: dict[str, torch.Tensor]
+    images: list = field(default_factory=list)  # vision.ProcessedImage per image chunk, in position order
 
     @property
     def length(self) -> int:
@@ -81,6 +83,8 @@ def _flatten_tokens(token_ids: Any, index: int) -> list[int]:
     if not isinstance(token_ids, (list, tuple)):
         raise InvalidInput(f"datum {index}: token_ids must be a list of ints or of chunks",
                            field="token_ids", datum_index=index)
+    if any(isinstance(c, ImageInput) for c in token_ids):
+        raise InvalidInput(f"datum {index}: this base model takes no images", field="model_input", datum_index=index)
     if token_ids and all(isinstance(c, (list, tuple)) for c in token_ids):
         return [t for chunk in token_ids for t in chunk]
     return list(token_ids)
@@ -135,9 +139,14 @@ def to_tensor(value: TensorInput | list | dict, index: int, name: str) -> torch.
 
 
 def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], required: set[str],
-                  vocab: int, max_length: int) -> PreparedDatum:
-    """Validate one datum for a loss whose inputs are `specs` (of which `required` must be present)."""
-    flat = _flatten_tokens(datum.token_ids, index)
+                  vocab: int, max_length: int, images=None) -> PreparedDatum:
+    """Validate one datum for a loss whose inputs are `specs` (of which `required` must be present). `images`
+    (engine/vision.py ImageExpander) expands image chunks into the model's placeholder positions; every loss
+    input is then aligned to the expanded length N. Without it an image chunk is refused."""
+    if images is not None and isinstance(datum.token_ids, (list, tuple)):
+        flat, processed = images.flatten(datum.token_ids, index)
+    else:
+        flat, processed = _flatten_tokens(datum.token_ids, index), []
     if len(flat) == 0:
         raise InvalidInput(f"datum {index}: token_ids is empty", field="token_ids", datum_index=index)
     if len(flat) > max_length:
@@ -210,4 +219,4 @@ def prepare_datum(datum: Datum, index: int, specs: dict[str, FieldSpec], require
         raise InvalidInput(f"datum {index}: weights has shape {list(inputs['weights'].shape)}, expected "
                            f"{list(inputs['target_tokens'].shape)} like target_tokens",
                            field="weights", datum_index=index)
-    return PreparedDatum(tokens, inputs)
+    return PreparedDatum(tokens, inputs, processed)

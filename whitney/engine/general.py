@@ -123,6 +123,9 @@ def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_
     if why:
         raise _refuse(name, f"model type {cfg.model_type!r}: {why}")
     hf.to(device=device, dtype=compute_dtype)
+    from whitney.engine.vision import load_vision  # vision.py builds on this module
+
+    vision = load_vision(path, hf, compute_dtype, device)  # None: served as text only
     heads = getattr(text, "num_attention_heads", 0) or 0
     config = ModelConfig(
         model_type=cfg.model_type,
@@ -159,6 +162,7 @@ def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_
         linear_shapes=shapes,
         hf=hf,
         hf_decoder=decoder_path,
+        vision=vision,
     )
 
 

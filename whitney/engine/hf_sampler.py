@@ -20,6 +20,10 @@ prompts merged (one joining late, the longest leaving) and each alone (`padding_
 fails the check, or whose cache has a layer kind the merge does not know (static, quantised, indexed), merges
 only rows of equal length (no padding, no mask) and decodes the others one batch each.
 
+Images: a prompt with image chunks is prefilled through the model's multimodal module (engine/vision.py), its
+rows keeping their mrope delta (Qwen), which every later decode step adds to the row's position; Gemma 3's decode
+steps are causal as they are (its bidirectional image block is in the cache already).
+
 Failures: a failing prefill of several prompts is redone one prompt at a time; a failing decode pass is redone
 request by request, each request's cache rebuilt from its own tokens, so only the request whose own pass
 fails gets the error (its rows leave in `_record`).
@@ -30,10 +34,11 @@ Shape legend: B running rows, n rows of one request, R prompts of one length, P 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from whitney.engine import vision
 from whitney.engine.general import adapted, decoder, new_cache
 from whitney.engine.lora import RowGroups
 from whitney.engine.model import BaseModel
@@ -71,6 +76,12 @@ class _Batch:
     cache: object  # a transformers DynamicCache with len(lengths) rows
     lengths: list[int]
     span: int
+    # Per row, how far its next mrope position is ahead of its length (a Qwen row with images in its prompt,
+    # vision.rope_deltas); empty: 0 for every row.
+    deltas: list[int] = field(default_factory=list)
+
+    def row_deltas(self) -> list[int]:
+        return self.deltas or [0] * self.rows
 
     @property
     def rows(self) -> int:
@@ -116,6 +127,7 @@ class _Batch:
                 a.values = torch.cat([_left_pad(a.values, width), _left_pad(b.values, width)])
                 if isinstance(a, DynamicSlidingWindowLayer):
                     a.cumulative_length = span
+        self.deltas = self.row_deltas() + other.row_deltas() if self.deltas or other.deltas else []
         self.lengths = self.lengths + other.lengths
         self.span = span
 
@@ -125,6 +137,7 @@ class _Batch:
 
         if rows != list(range(self.rows)):
             self.cache.reorder_cache(torch.tensor(rows, dtype=torch.int64, device="cpu"))
+            self.deltas = [self.deltas[r] for r in rows] if self.deltas else []
             self.lengths = [self.lengths[r] for r in rows]
         span = max(self.lengths)
         if span < self.span:
@@ -143,14 +156,21 @@ def step_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, batch:
     empty, a decode step when T = 1), each row with its group's adapter; the batch grows in place.
 
     A padded batch gets the 2D mask [B, L + T] (1 on each row's own positions and the new ones) and position
-    ids [B, T] counted from each row's own length."""
+    ids [B, T] counted from each row's own length; a batch with mrope deltas (Qwen rows with images) gets
+    position ids [4, B, T]: the text positions, then the three mrope axes, each the text position plus the
+    row's delta."""
     kwargs = {}
-    if batch.padded:
+    if batch.padded or any(batch.deltas):
         dev, T = tokens.device, tokens.shape[1]
         lengths = torch.tensor(batch.lengths, dtype=torch.int64, device="cpu").to(dev)  # [B]
-        columns = torch.arange(batch.span + T, device=dev)  # [L + T]
-        kwargs = dict(attention_mask=(columns[None, :] >= (batch.span - lengths)[:, None]).long(),
-                      position_ids=lengths[:, None] + torch.arange(T, device=dev)[None, :])
+        positions = lengths[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
+        kwargs = dict(position_ids=positions)
+        if batch.padded:
+            columns = torch.arange(batch.span + T, device=dev)  # [L + T]
+            kwargs["attention_mask"] = (columns[None, :] >= (batch.span - lengths)[:, None]).long()
+        if any(batch.deltas):
+            deltas = torch.tensor(batch.deltas, dtype=torch.int64, device="cpu").to(dev)[:, None]  # [B, 1]
+            kwargs["position_ids"] = torch.stack([positions] + [positions + deltas] * 3)  # [4, B, T]
     with adapted(base, groups):
         hidden = decoder(base)(input_ids=tokens, cache=batch.cache, use_cache=True, **kwargs).last_hidden_state
     batch.lengths = [n + tokens.shape[1] for n in batch.lengths]
@@ -161,11 +181,18 @@ def step_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, batch:
 _step = step_hidden  # the check below runs this one, whatever replaces the module's step_hidden (tests do)
 
 
-def _prefilled(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, step=None) -> tuple[_Batch, torch.Tensor]:
+def _prefilled(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, step=None,
+               images: list[list] | None = None) -> tuple[_Batch, torch.Tensor]:
     """A new batch holding tokens [R, P] (no padding) and their hidden states [R, P, D], by `step` (default
-    the module's step_hidden)."""
+    the module's step_hidden); rows with `images` (per row, vision.ProcessedImage) through the model's multimodal
+    module (vision.forward_hidden), each row's mrope delta kept for its decode steps."""
     batch = _Batch(new_cache(base), [0] * tokens.shape[0], 0)
-    return batch, (step or step_hidden)(base, tokens, groups, batch)
+    if not images or not any(images):
+        return batch, (step or step_hidden)(base, tokens, groups, batch)
+    hidden = vision.forward_hidden(base, tokens, images, groups, cache=batch.cache)
+    batch.lengths, batch.span = [tokens.shape[1]] * tokens.shape[0], tokens.shape[1]
+    batch.deltas = [vision.rope_deltas(base, row, im) for row, im in zip(tokens, images)]
+    return batch, hidden
 
 
 def padding_is_exact(base: BaseModel) -> bool:
@@ -262,7 +289,8 @@ class HFSampler(Sampler):
         tokens = torch.tensor([r.prompt for r in requests], dtype=torch.int64, device="cpu").to(self.device)  # [R, P]
         try:
             batch, hidden = _prefilled(self.base, tokens, RowGroups([(i, i + 1, r.adapter)
-                                                                     for i, r in enumerate(requests)]))  # [R, P, D]
+                                                                     for i, r in enumerate(requests)]),
+                                       images=[r.images for r in requests])  # [R, P, D]
         except Exception as e:
             if len(requests) == 1:
                 requests[0].error = e
@@ -312,7 +340,7 @@ class HFSampler(Sampler):
             cached = torch.tensor([request.prompt + rows[b].tokens[:-1] for b in idx], dtype=torch.int64,
                                   device="cpu").to(self.device)  # [n, P + t - 1]: the last token is pending
             try:
-                batch, _ = _prefilled(self.base, cached, groups)
+                batch, _ = _prefilled(self.base, cached, groups, images=[request.images] * len(idx))
                 parts.append(step_hidden(self.base, tokens[idx[0]:idx[-1] + 1, None], groups, batch)[:, 0])
             except Exception as e:
                 request.error = e

@@ -138,6 +138,9 @@ class BaseModel:
     # path of its decoder stack. None on the fast path (llama, qwen2, qwen3), which runs `layers`.
     hf: torch.nn.Module | None = None
     hf_decoder: str = ""
+    # A vision-language checkpoint saved with its image processor: its vision tower and processor
+    # (engine/vision.py VisionModel); None for a model that takes no images.
+    vision: object | None = None
 
     @property
     def device(self) -> torch.device:
@@ -219,7 +222,14 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
 
     path = resolve_model_dir(name)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except ValueError:  # no causal-LM class: a vision-language checkpoint is loaded whole (Qwen3-VL)
+            from transformers import AutoConfig, AutoModelForImageTextToText
+
+            if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is None:
+                raise
+            hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     except (ValueError, KeyError, OSError, TypeError) as e:  # unknown model type, not a causal LM, bad files
         raise InvalidInput(f"base model {shown_name(name)!r} cannot be loaded as a Hugging Face causal LM: "
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", field="base_model") from None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from whitney.engine.datum import Datum, PreparedDatum, prepare_datum, to_tensor
+from whitney.engine.datum import Datum, ImageInput, PreparedDatum, prepare_datum, to_tensor
 from whitney.engine.loss_table import SCALAR, LossSpec
 from whitney.engine.losses import loss_spec
 from whitney.errors import InvalidInput
@@ -83,14 +83,21 @@ class CheckedRequest:
     rows: list[Any] | None = None
 
 
-def check_request(request: ForwardRequest, backward: bool, vocab_size: int, max_context: int) -> CheckedRequest:
-    """Validate a request's run, loss, config and datums against a model's vocabulary and context."""
+def check_request(request: ForwardRequest, backward: bool, vocab_size: int, max_context: int,
+                  images=None) -> CheckedRequest:
+    """Validate a request's run, loss, config and datums against a model's vocabulary and context; image chunks
+    are expanded by `images` (vision.ImageExpander), or refused without it, and by a loss with a teacher stream."""
     if backward and request.run_id is None:
         raise InvalidInput("forward_backward needs a run", field="run_id")
     spec, config = loss_spec(request.loss_fn).configure(request.loss_config or {})
     if not isinstance(request.data, list) or not request.data:
         raise InvalidInput("data must be a non-empty list of datums", field="data")
-    datums = [_prepare(d, i, spec, vocab_size, max_context) for i, d in enumerate(request.data)]
+    for i, d in enumerate(request.data):
+        if spec.teacher and isinstance(getattr(d, "token_ids", None), (list, tuple)) and any(
+                isinstance(c, ImageInput) for c in d.token_ids):
+            raise InvalidInput(f"datum {i}: loss {request.loss_fn!r} takes text-only data, not image chunks",
+                               field="model_input", datum_index=i)
+    datums = [_prepare(d, i, spec, vocab_size, max_context, images) for i, d in enumerate(request.data)]
     shapes = [tuple(d.inputs["target_tokens"].shape[1:]) for d in datums]
     for i, s in enumerate(shapes):
         if s != shapes[0]:
@@ -101,11 +108,12 @@ def check_request(request: ForwardRequest, backward: bool, vocab_size: int, max_
     return CheckedRequest(datums, spec, config, rows)
 
 
-def _prepare(datum: Datum, index: int, spec: LossSpec, vocab_size: int, max_context: int) -> PreparedDatum:
+def _prepare(datum: Datum, index: int, spec: LossSpec, vocab_size: int, max_context: int,
+             images=None) -> PreparedDatum:
     """prepare_datum, and the entry's per-datum scalar inputs (rows SCALAR), each a finite 0-d float."""
     scalars = {k for k, f in spec.inputs.items() if f.rows == SCALAR}
     if not scalars:
-        return prepare_datum(datum, index, spec.inputs, set(spec.required), vocab_size, max_context)
+        return prepare_datum(datum, index, spec.inputs, set(spec.required), vocab_size, max_context, images)
     given = dict(datum.loss_inputs or {}) if isinstance(datum.loss_inputs, dict) else {}
     values = {}
     for name in sorted(scalars):
@@ -118,6 +126,6 @@ def _prepare(datum: Datum, index: int, spec: LossSpec, vocab_size: int, max_cont
         values[name] = t.reshape(()).float()
     rest = {k: f for k, f in spec.inputs.items() if k not in scalars}
     prepared = prepare_datum(Datum(datum.token_ids, given), index, rest, set(spec.required) - scalars,
-                             vocab_size, max_context)
+                             vocab_size, max_context, images)
     prepared.inputs.update(values)
     return prepared
