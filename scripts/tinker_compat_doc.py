@@ -178,6 +178,14 @@ NOTES = """## Behaviour worth knowing
   `prompt_logprobs_last_n`, and `target_prompt_logprobs` (dense or sparse CSR; the answer has the request's
   layout). `prompt_alt_tokens_k` and `record_stability_info` are refused with a 400 rather than ignored.
   Samplers are snapshots (an `inflight` save is a snapshot).
+- Model input chunks: `EncodedTextChunk`; `ImageChunk` (PNG or JPEG bytes; `expected_tokens`, when given, must be
+  what the model's processor makes of the image) in `forward`/`forward_backward` (protobuf), `sample` and
+  `compute_logprobs`, on vision-language models only (`get_server_capabilities` marks them `vision`); and
+  `ImageAssetPointerChunk` in `sample` and `compute_logprobs` (the SDK's protobuf writer has no pointer chunk,
+  so it cannot send one to `forward_backward`), for a file under a directory the operator allowed (`whitney
+  serve --image-dir`). URLs are refused: the server fetches nothing from the network. `DmelChunk` (audio) and
+  `ImageChunk.override_dimensions` are refused with a 400; so are images over the server's limits (413) or that
+  do not decode.
 - `save_state` honours `overwrite` (without it an existing name is refused). Checkpoint `ttl_seconds` (1 s to
   10 years here; Tinker's lower bound of an hour is not enforced) and `user_metadata` are kept: an expired
   checkpoint reads 404 and the server deletes it (files and row) within seconds, never while a load, sample,

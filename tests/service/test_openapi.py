@@ -235,9 +235,10 @@ def test_enforced_constraints_are_published(spec):
     token_ids = props("ModelInput")["token_ids"]["anyOf"]
     assert token_ids[0]["minItems"] == 1 and token_ids[0]["items"]["minimum"] == 0
     assert token_ids[1]["minItems"] == 1 and token_ids[1]["items"]["minItems"] == 1
-    assert props("SampleRequest")["prompt"]["minItems"] == 1
+    # a prompt or scored sequence: token ids, or typed chunks (text and images); non-empty either way
+    assert [b["minItems"] for b in props("SampleRequest")["prompt"]["oneOf"]] == [1, 1]
     assert props("LogprobsRequest")["sequences"]["minItems"] == 1
-    assert props("LogprobsRequest")["sequences"]["items"]["minItems"] == 1
+    assert [b["minItems"] for b in props("LogprobsRequest")["sequences"]["items"]["oneOf"]] == [1, 1]
 
     adam = props("AdamSpec")
     assert adam["learning_rate"]["exclusiveMinimum"] == 0 and adam["eps"]["exclusiveMinimum"] == 0

@@ -20,6 +20,7 @@ from whitney.errors import WhitneyError
 # pydantic's names for the branch of a union or a constrained type inside a `loc`: not a field.
 _TYPE_TAG = re.compile(r"^(list|dict|tuple|set|int|float|str|bool|union|tagged-union|(constrained|function)-[\w-]+)"
                        r"(\[.*\])?$")
+_CHUNK_TAGS = ("encoded_text", "image", "image_asset_pointer", "other")  # schemas.Chunk's union branches
 
 
 def install(app: FastAPI, status: dict[type, int]) -> None:
@@ -56,8 +57,10 @@ def invalid_request(errors: list[dict]) -> dict:
 
 
 def field_path(loc) -> list[str]:
-    """A pydantic `loc` as the request's field path: no "body" prefix, no union-branch or type tags."""
-    return [_text(p) for p in loc if p != "body" and not (isinstance(p, str) and _TYPE_TAG.match(p))]
+    """A pydantic `loc` as the request's field path: no "body" prefix, no union-branch or type tags (a chunk's
+    type tag follows its index: chunks.1.image.format is chunks.1.format)."""
+    return [_text(p) for i, p in enumerate(loc) if p != "body" and not (isinstance(p, str) and _TYPE_TAG.match(p))
+            and not (p in _CHUNK_TAGS and i > 0 and isinstance(loc[i - 1], int))]
 
 
 def _text(value) -> str:

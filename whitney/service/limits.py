@@ -38,9 +38,19 @@ class Limits:
     # with its tokens (no larger batch is more efficient), so a small budget costs no throughput there.
     max_batch_tokens: int = _limit(8192, "training tokens per engine call: larger operations run as "
                                          "micro-batches, other runs' work in between")
+    # Image chunks (service/images.py): checked on the encoded bytes and the header, before any decoding.
+    max_image_bytes: int = _limit(10 * 2**20, "encoded bytes of one image chunk")
+    max_image_pixels: int = _limit(4096 * 4096, "pixels (width x height) of one image, read from its header")
+    max_request_images: int = _limit(64, "image chunks of one request")
+    max_request_image_bytes: int = _limit(32 * 2**20, "encoded image bytes of one request")
+    # Directories whose files image_asset_pointer chunks may name (`whitney serve --image-dir DIR`, repeatable);
+    # none: every pointer is refused. Not a number, so not shown in capabilities.
+    image_dirs: tuple[str, ...] = field(default=(), metadata={"help": "directory of images that asset pointers "
+                                                                      "may name"})
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The numeric limits (what capabilities show)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), int)}
 
 
 def check_operation(limits: Limits, lengths: list[int], field: str = "data") -> int:

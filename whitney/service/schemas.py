@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from whitney.service.lifecycle import OperationStatus, RunStatus, SessionStatus
 
@@ -147,8 +147,67 @@ class TensorData(Wire):
     values: list[float] | list[int]
 
 
+class TextChunk(Wire):
+    type: Literal["encoded_text"]
+    tokens: Tokens
+
+
+class ImageChunk(Wire):
+    """An encoded image (service/images.py checks it against the limits and that it decodes)."""
+
+    type: Literal["image"]
+    data: str = Field(description="the PNG or JPEG bytes, base64")
+    format: Literal["png", "jpeg"]
+    expected_tokens: int | None = Field(None, ge=1, description="positions the image should take once "
+                                        "expanded by the model's processor; a different count is a 400")
+
+
+class ImageAssetPointerChunk(Wire):
+    """An image file on this server, under a directory the operator allowed (`whitney serve --image-dir`)."""
+
+    type: Literal["image_asset_pointer"]
+    location: str = Field(description="an absolute path or a file:// URI; network URLs are refused")
+    format: Literal["png", "jpeg"]
+    expected_tokens: int | None = Field(None, ge=1)
+
+
+class OtherChunk(BaseModel):
+    """Any other chunk type (audio: Tinker's dmel), shaped only so it can be refused with a 400 naming it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str = Field(json_schema_extra={"not": {"enum": ["encoded_text", "image", "image_asset_pointer"]}})
+
+
+CHUNK_TYPES = ("encoded_text", "image", "image_asset_pointer")
+
+
+def _chunk_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in CHUNK_TYPES else "other"
+
+
+Chunk = Annotated[Annotated[TextChunk, Tag("encoded_text")] | Annotated[ImageChunk, Tag("image")]
+                  | Annotated[ImageAssetPointerChunk, Tag("image_asset_pointer")] | Annotated[OtherChunk, Tag("other")],
+                  Discriminator(_chunk_tag)]
+Chunks = Annotated[list[Chunk], Field(min_length=1)]
+
+
+def _input_tag(value: Any) -> str:
+    # Tags named as pydantic names list types, so an error's field path leaves them out (handlers.field_path).
+    chunks = isinstance(value, list) and value and isinstance(value[0], (dict, BaseModel))
+    return "list[Chunk]" if chunks else "list[int]"
+
+
+# A prompt or scored sequence: token ids, or typed chunks (text and images).
+TokensOrChunks = Annotated[Annotated[Tokens, Tag("list[int]")] | Annotated[Chunks, Tag("list[Chunk]")],
+                           Discriminator(_input_tag)]
+
+
 class ModelInput(Wire):
-    token_ids: Tokens | Annotated[list[Tokens], Field(min_length=1)]  # flat, or chunks concatenated
+    """Exactly one of token_ids and chunks."""
+
+    token_ids: Tokens | Annotated[list[Tokens], Field(min_length=1)] | None = None  # flat, or lists concatenated
+    chunks: Chunks | None = None  # typed chunks: text, images, image asset pointers
 
 
 class WireDatum(Wire):
@@ -261,7 +320,7 @@ class WeightsRef(Wire):
 class SampleRequest(WeightsRef):
     """The ranges of engine.sampler.validate; the model-dependent ones (vocabulary, context) stay there."""
 
-    prompt: Tokens
+    prompt: TokensOrChunks
     num_samples: int = Field(1, ge=1)  # at most the server's max_concurrent_sequences
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, description="0: greedy")
@@ -277,7 +336,7 @@ class SampleRequest(WeightsRef):
 
 
 class LogprobsRequest(WeightsRef):
-    sequences: list[Tokens] = Field(min_length=1)
+    sequences: list[TokensOrChunks] = Field(min_length=1)
 
 
 # ---- model packages ------------------------------------------------------------------------

@@ -6,10 +6,10 @@ from fastapi import APIRouter, Query
 
 from whitney.engine import AdamParams, ForwardRequest
 from whitney.errors import Conflict, InvalidInput
-from whitney.service import custom_losses, schemas
+from whitney.service import custom_losses, images, schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.limits import check_operation
-from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, SaveJob, build_datums, datum_length
+from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, SaveJob
 from whitney.service.lifecycle import OPERATION_TERMINAL, OperationKind, RunStatus
 from whitney.service.packages import reading
 from whitney.service.store import digest
@@ -43,18 +43,26 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     kind = OperationKind.FORWARD_BACKWARD if backward else OperationKind.FORWARD
     if run["status"] != RunStatus.ACTIVE:  # only a retry of a seq_id the ended run has (the store refuses others)
         return submit(st, who, run_id, kind, body, None)
-    data = build_datums([d.model_dump() for d in body.data])
-    lengths = [datum_length(d) for d in data]
+    # Image chunks read (asset pointers from allowed directories) and checked against the image limits.
+    data = images.datums([d.model_dump() for d in body.data], images.ImageBudget(st.limits))
+    lengths = [images.known_length(d.token_ids) for d in data]
     check_operation(st.limits, lengths)  # before the backend looks at any of it
+    with_images = next((i for i, d in enumerate(data) if images.has_images(d.token_ids)), None)
+    if with_images is not None:
+        images.refuse_images(st.model_info(run["base_model"]), run["base_model"], f"data[{with_images}].input.chunks",
+                             with_images)
     # loss "custom": {"loss_id": id} becomes the stored definition (routes/custom_losses.py).
     config = custom_losses.resolve(st.store, who, body.loss_function, body.loss_config)
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
     try:
-        st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
+        total = st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
             e.field = "loss_function"
         raise
+    if with_images is not None:  # the engine's processor has counted each image's positions
+        lengths = images.expanded_lengths(data, total)
+        check_operation(st.limits, lengths)
     return submit(st, who, run_id, kind, body, ForwardJob(data, body.loss_function, config, lengths))
 
 

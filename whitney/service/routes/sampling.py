@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from pydantic import BaseModel
 
 from whitney.engine.backend import Weights
 from whitney.engine.sampler import SamplingParams, validate
-from whitney.errors import InvalidInput, NotFound
-from whitney.service import schemas
+from whitney.errors import InvalidInput, NotFound, WhitneyError
+from whitney.service import images, schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import RUN_OPEN, OperationKind
 from whitney.service.limits import check_operation, check_stops
@@ -63,16 +64,27 @@ def sample(body: schemas.SampleRequest, st: State, who: Owner):
                             prompt_logprobs_last_n=body.prompt_logprobs_last_n,
                             target_prompt_logprobs=None if body.target_prompt_logprobs is None else
                             tuple(tuple(r) for r in body.target_prompt_logprobs))
-    return start_sample(st, who, body, body.prompt, params)
+    prompt = images.prompt(wire_input(body.prompt), "prompt", images.ImageBudget(st.limits))
+    return start_sample(st, who, body, prompt, params)
 
 
-def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: list[int],
+def wire_input(tokens_or_chunks: list) -> list:
+    """A prompt or sequence as parsed (token ids, or chunk models) as plain data (token ids, or chunk dicts)."""
+    return [c.model_dump() if isinstance(c, BaseModel) else c for c in tokens_or_chunks]
+
+
+def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: list,
                  params: SamplingParams) -> dict:
-    """Validate and queue one sampling operation; shared with the Tinker routes."""
+    """Validate and queue one sampling operation; shared with the Tinker routes. `prompt`: token ids, or
+    chunks (token lists and the engine's ImageInputs, already checked by images.prompt)."""
     check_stops(st.limits, params.stop)
     weights, base_model = resolve(st, who, ref)
-    # A 400 now, not a failure later.
-    validate(prompt, params, st.model_info(base_model), st.scheduler.backend.config.max_sequences)
+    if images.has_images(prompt):
+        images.refuse_images(st.model_info(base_model), base_model, "prompt")
+    # A 400 now, not a failure later. An image stands as its expected_tokens positions (1 when not given; the
+    # engine checks the expanded prompt again when the request starts).
+    validate(images.stand_in(prompt, params), params, st.model_info(base_model),
+             st.scheduler.backend.config.max_sequences)
     st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
     # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
@@ -84,16 +96,28 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
 @router.post("/logprobs", response_model=schemas.Operation, status_code=202)
 def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
     """Per-token log-probs of given sequences (the first position has none)."""
-    check_operation(st.limits, [len(s) for s in body.sequences], field="sequences")
+    budget = images.ImageBudget(st.limits)
+    sequences = []
+    for i, s in enumerate(body.sequences):
+        try:
+            sequences.append(images.prompt(wire_input(s), f"sequences[{i}]", budget))
+        except WhitneyError as e:
+            e.datum_index = i
+            raise
+    lengths = [images.known_length(s) for s in sequences]  # an image without expected_tokens counts 0 here
+    check_operation(st.limits, lengths, field="sequences")
     weights, base_model = resolve(st, who, body)
     config = st.model_info(base_model)
-    for i, seq in enumerate(body.sequences):
-        if not seq or len(seq) > config.max_context or not all(0 <= t < config.vocab_size for t in seq):
+    for i, seq in enumerate(sequences):
+        if images.has_images(seq):
+            images.refuse_images(config, base_model, f"sequences[{i}]")
+        ids = images.token_ids(seq)
+        if not seq or lengths[i] > config.max_context or not all(0 <= t < config.vocab_size for t in ids):
             raise InvalidInput(f"sequence {i} must hold 1 to {config.max_context} token ids in "
                                f"[0, {config.vocab_size})", field="sequences", datum_index=i)
-    st.quotas.admit_operation(who, None, None, sum(len(s) for s in body.sequences))  # 429 over the key's quota
+    st.quotas.admit_operation(who, None, None, sum(lengths))  # 429 over the key's quota
     # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
         who, None, None, OperationKind.COMPUTE_LOGPROBS, ""))
-    st.scheduler.submit_logprobs(op, body.sequences, weights)
+    st.scheduler.submit_logprobs(op, sequences, weights)
     return op

@@ -8,7 +8,9 @@ Field numbers (from the SDK's descriptor):
   ForwardBackwardRequest: model_id 1, seq_id 2 (int32), data 3 (Datum), loss_fn 4,
       loss_fn_config 5 (map<string, double>), forward_only 6, loss_fn_config_v2 7 (map<string, {number 1, text 2}>)
   Datum: model_input 1 (Chunk), loss_fn_inputs 2 (map<string, Tensor>), spans 3, 4 (ignored: provenance only)
-  Chunk: encoded_text 1 ({tokens 1: int32 bytes}), image 2, dmel 3
+  Chunk: encoded_text 1 ({tokens 1: int32 bytes}), image 2, dmel 3 (refused: audio)
+  ImageChunk: data 1 (bytes), format 2 ("png" | "jpeg"), expected_tokens 3 (int32, optional),
+      override_dimensions 4 (refused)
   Tensor: dense 1, sparse_csr 2 ({values 1, crow_indices 2, col_indices 3}), dtype 3, shape 4 (int64)
   ForwardBackwardOutput: loss_fn_output_type 1, loss_fn_outputs 2 (ArrayRecord), metrics 3 (map<string, double>)
   ArrayRecord: type_tag 1, fields 2 (map<string, BatchedTensor>), num_datums 3
@@ -179,7 +181,7 @@ def _array(raw: bytes, dtype: int, where: str) -> list:
     return list(struct.unpack(f"<{len(raw) // size}{code}", raw))
 
 
-def _tensor(f: Field | None, where: str, n: int) -> dict:
+def _tensor(f: Field | None, where: str, n: int | None) -> dict:
     """A Tensor as the native wire tensor {dtype, shape, values}, checked before anything is allocated:
     at most MAX_DIMS dimensions, none negative; dense values fill the shape exactly; a sparse CSR tensor is
     [n, K] (n the datum's tokens, 1 <= K <= MAX_K) with consistent indices, and only then made dense.
@@ -204,8 +206,9 @@ def _tensor(f: Field | None, where: str, n: int) -> dict:
         if shape and math.prod(shape) != len(values):
             raise _bad(where, f"{len(values)} values do not fill shape {shape}")
         return {"dtype": _DTYPE_NAMES[dtype], "shape": shape or [len(values)], "values": values}
-    if len(shape) != 2 or shape[0] != n or not 1 <= shape[1] <= MAX_K:
-        raise _bad(where, f"a sparse tensor must have shape [{n}, K] (the datum's {n} tokens, 1 <= K <= "
+    if len(shape) != 2 or (n is not None and shape[0] != n) or not 1 <= shape[1] <= MAX_K:
+        rows = "N" if n is None else n  # None: an image's positions are counted by the engine
+        raise _bad(where, f"a sparse tensor must have shape [{rows}, K] (the datum's {rows} positions, 1 <= K <= "
                           f"{MAX_K}), got {shape}")
     values = _array(csr.get(1, b""), dtype, f"{where}.sparse_csr.values")
     crow = _array(csr.get(2, b""), DTYPE_INT64, f"{where}.sparse_csr.crow_indices")
@@ -225,34 +228,60 @@ def _tensor(f: Field | None, where: str, n: int) -> dict:
     return {"dtype": _DTYPE_NAMES[dtype], "shape": shape, "values": out}
 
 
-def _tokens(f: Field, where: str) -> list[int]:
-    """One Chunk of model_input: only encoded text (int32 token ids) is supported."""
-    tokens: list[int] = []
+def _chunk(f: Field, where: str, j: int) -> dict:
+    """One Chunk of model_input as a native chunk dict: encoded text (int32 token ids) or an image (its bytes,
+    format and expected_tokens, checked by service/images.py). Audio (dmel) and image dimension overrides are
+    refused. `where` names the datum's model_input, `j` the chunk's index in it."""
+    chunk: dict | None = None
     for kind in _message(f, where):
-        if kind.number != 1:
-            raise _bad(where, "only token chunks are supported (no image or audio)")
-        for g in _message(kind, f"{where}.encoded_text"):
-            if g.number == 1:
-                tokens.extend(_array(_bytes(g, f"{where}.encoded_text.tokens"), DTYPE_INT32,
-                                     f"{where}.encoded_text.tokens"))
-    return tokens
+        if kind.number == 1:
+            tokens = [t for g in _message(kind, f"{where}.encoded_text") if g.number == 1
+                      for t in _array(_bytes(g, f"{where}.encoded_text.tokens"), DTYPE_INT32,
+                                      f"{where}.encoded_text.tokens")]
+            chunk = {"type": "encoded_text", "tokens": tokens}
+        elif kind.number == 2:
+            chunk = {"type": "image", "data": b"", "format": "", "expected_tokens": None}
+            for g in _message(kind, f"{where}.image"):
+                if g.number == 1:
+                    chunk["data"] = _bytes(g, f"{where}.image.data")
+                elif g.number == 2:
+                    chunk["format"] = _text(g, f"{where}.image.format")
+                elif g.number == 3:
+                    chunk["expected_tokens"] = _int64(g, f"{where}.image.expected_tokens")
+                elif g.number == 4:
+                    raise _bad(f"{where}.image.override_dimensions", f"chunk {j}: override_dimensions is not "
+                               "supported by this server (the image is processed at its encoded size)")
+        elif kind.number == 3:
+            raise _bad(where, f"chunk {j} has type 'dmel' (audio), which is not supported; a chunk is "
+                              "encoded_text or image")
+        else:
+            raise _bad(where, f"chunk {j} has an unknown type (field {kind.number}); a chunk is encoded_text or image")
+    if chunk is None:
+        raise _bad(where, f"chunk {j} is empty")
+    return chunk
 
 
 def _datum(f: Field, index: int) -> dict:
-    """One Datum. model_input is read first whatever the field order, since tensors are checked against it."""
+    """One Datum. model_input is read first whatever the field order, since tensors are checked against it:
+    token ids when it holds only text, else its chunks ({input: {chunks}}, images read by service/images.py)."""
     where = f"data[{index}]"
     try:
         parts = _message(f, where)
-        tokens = [t for g in parts if g.number == 1 for t in _tokens(g, f"{where}.model_input")]
+        chunks = [_chunk(g, f"{where}.model_input", j) for j, g in enumerate(g for g in parts if g.number == 1)]
+        text = all(c["type"] == "encoded_text" for c in chunks)
+        # An image's positions are known here only from its expected_tokens (the engine checks them).
+        n = sum(len(c["tokens"]) if c["type"] == "encoded_text" else c["expected_tokens"] or 0 for c in chunks)
+        unsized = any(c["type"] == "image" and c["expected_tokens"] is None for c in chunks)
         inputs: dict[str, dict] = {}
         for g in parts:
             if g.number == 2:
                 name, tensor = _map_entry(g, f"{where}.loss_fn_inputs")
-                inputs[name] = _tensor(tensor, f"{where}.loss_fn_inputs.{name}", len(tokens))
+                inputs[name] = _tensor(tensor, f"{where}.loss_fn_inputs.{name}", None if unsized else n)
     except InvalidInput as e:
         e.datum_index = index
         raise
-    return {"input": {"token_ids": tokens}, "loss_inputs": inputs}
+    model_input = {"token_ids": [t for c in chunks for t in c["tokens"]]} if text else {"chunks": chunks}
+    return {"input": model_input, "loss_inputs": inputs}
 
 
 def _config_value(f: Field | None, where: str) -> float | str:

@@ -6,9 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from whitney.engine.datum import ImageInput
 from whitney.engine.sampler import MAX_TOPK_PROMPT_LOGPROBS, SamplingParams
 from whitney.errors import InvalidInput, NotFound
-from whitney.service import schemas
+from whitney.service import images, schemas
 from whitney.service.deps import Owner, State
 from whitney.service.routes.sampling import resolve, start_sample
 from whitney.service.tinker.common import (Sampler, Tinker, TinkerBody, resolve_path, sampler_ref,
@@ -60,8 +61,14 @@ class Params(TinkerBody):
 
 
 class Chunk(TinkerBody):
+    """EncodedTextChunk, ImageChunk (data base64) or ImageAssetPointerChunk; any other type is a 400 naming it."""
+
     type: str = "encoded_text"
     tokens: list[int] | None = None
+    data: str | None = None
+    format: str | None = None
+    location: str | None = None
+    expected_tokens: int | None = None
 
 
 class Prompt(TinkerBody):
@@ -124,14 +131,23 @@ def _targets(tensor: dict[str, Any], prompt_len: int) -> tuple[tuple[int, ...], 
     return tuple(tuple(row) for row in out)
 
 
+def _chunk(chunk: Chunk, index: int) -> dict:
+    """A prompt chunk as the native chunk dict service/images.py reads (each type's fields required)."""
+    where = f"prompt.chunks[{index}]"
+    needs = {"encoded_text": ("tokens",), "image": ("data", "format"), "image_asset_pointer": ("location", "format")}
+    for name in needs.get(chunk.type, ()):
+        if getattr(chunk, name) is None:
+            raise InvalidInput(f"{where}: a {chunk.type} chunk needs {name}", field=f"{where}.{name}")
+    if chunk.type == "encoded_text" and not all(isinstance(t, int) and t >= 0 for t in chunk.tokens):
+        raise InvalidInput(f"{where}.tokens must be token ids", field=f"{where}.tokens")
+    return chunk.model_dump()
+
+
 @router.post("/asample")
 def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     _unsupported(body)
-    prompt = []
-    for chunk in body.prompt.chunks:
-        if chunk.type != "encoded_text" or chunk.tokens is None:
-            raise InvalidInput(f"only token chunks are supported, not {chunk.type!r}", field="prompt")
-        prompt.extend(chunk.tokens)
+    prompt = images.prompt([_chunk(c, j) for j, c in enumerate(body.prompt.chunks)], "prompt.chunks",
+                           images.ImageBudget(st.limits)) if body.prompt.chunks else []
     if body.sampling_session_id is not None:
         ref = sampler_ref(st, get_sampler(ts, body.sampling_session_id, who))
     elif body.model_path is not None:
@@ -147,14 +163,20 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     p = body.sampling_params
     stop = None if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
     max_tokens = p.max_tokens
+    length = images.known_length(prompt)  # an image counts its expected_tokens
+    unsized = next((j for j, c in enumerate(prompt) if isinstance(c, ImageInput) and c.expected_tokens is None), None)
+    if unsized is not None and (max_tokens is None or body.target_prompt_logprobs is not None):
+        why = "max_tokens unset (sample to the end of the context)" if max_tokens is None else "target_prompt_logprobs"
+        raise InvalidInput(f"{why} needs the prompt's length: give prompt.chunks[{unsized}] its expected_tokens",
+                           field=f"prompt.chunks[{unsized}].expected_tokens")
     if max_tokens is None:  # until a stop or the end of the context
         _, base_model = resolve(st, who, ref)
-        max_tokens = st.model_info(base_model).max_context - len(prompt)
+        max_tokens = st.model_info(base_model).max_context - length
     params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                             seed=p.seed, stop=stop, num_samples=body.num_samples,
                             prompt_logprobs=bool(body.prompt_logprobs),
                             topk_prompt_logprobs=body.topk_prompt_logprobs, top_logprobs=body.topk_sample_logprobs,
                             prompt_logprobs_last_n=last_n, target_prompt_logprobs=None if
-                            body.target_prompt_logprobs is None else _targets(body.target_prompt_logprobs, len(prompt)))
+                            body.target_prompt_logprobs is None else _targets(body.target_prompt_logprobs, length))
     op = start_sample(st, who, ref, prompt, params)
     return {"request_id": op["id"], "sample_sequence_ids": [f"{op['id']}:{i}" for i in range(body.num_samples)]}

@@ -38,8 +38,10 @@ def healthz() -> dict:
 
 @router.get("/get_server_capabilities")
 def get_server_capabilities(st: State) -> dict:
+    # "vision" (takes image chunks) is Whitney's own field; the SDK's SupportedModel keeps extra fields.
     return {"supported_models": [{"model_name": name, "max_context_length": st.model_info(name).max_context,
-                                  "trainable": True, "sampleable": True} for name in st.models]}
+                                  "trainable": True, "sampleable": True,
+                                  "vision": getattr(st.model_info(name), "vision", False)} for name in st.models]}
 
 
 class CreateSession(TinkerBody):

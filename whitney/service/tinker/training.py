@@ -13,18 +13,18 @@ import random
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
-from whitney.engine import AdamParams, describe_losses
+from whitney.engine import AdamParams, ForwardRequest, describe_losses
 from whitney.engine.backend import Failure
 from whitney.errors import InvalidInput, WhitneyError
-from whitney.service import custom_losses, packages, schemas
+from whitney.service import custom_losses, images, packages, schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import OperationKind, OperationStatus
 from whitney.service.limits import check_metadata, check_operation
 from whitney.service.routes.operations import enqueue
 from whitney.service.routes.sessions import open_run
-from whitney.service.jobs import (ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob, build_datums,
-                                  datum_length)
+from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob
 from whitney.service.store import digest
 from whitney.service.tinker import proto
 from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, access_owner, model_id, native_seq,
@@ -128,17 +128,35 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
     raw = await request.body()
     req = proto.decode_forward_backward(raw)
     kind = OperationKind.FORWARD if req.forward_only else OperationKind.FORWARD_BACKWARD
-    data = build_datums(req.data)
-    lengths = [datum_length(d) for d in data]
+    # Image chunks checked against the image limits and decoded once, off the event loop (a 400 or 413 now, like
+    # a malformed body); whether the model takes images, and the positions each fills, are checked below, a
+    # refusal failing in the operation's turn.
+    data = await run_in_threadpool(images.datums, req.data, images.ImageBudget(st.limits), "data[{i}].model_input")
+    lengths = [images.known_length(d.token_ids) for d in data]
     check_operation(st.limits, lengths)
     job: Job
     try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn)
         config = custom_losses.resolve(st.store, who, req.loss_fn, loss_config(req.loss_fn, req.loss_fn_config))
+        if any(images.has_images(d.token_ids) for d in data):
+            lengths = await run_in_threadpool(_image_lengths, st, who, req, data, config)
+            check_operation(st.limits, lengths)
         job = ForwardJob(data, req.loss_fn, config, lengths)
     except WhitneyError as e:
         job = refused(e)
     op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), job)
     return future(op, model_id=req.model_id)
+
+
+def _image_lengths(st: ServiceState, who: str, req: proto.ForwardBackwardRequest, data: list,
+                   config: dict) -> list[int]:
+    """Each datum's positions once the engine's processor has expanded its images (the token budgets and
+    the micro-batch planner read them); a model without images, or an image whose expected_tokens the
+    processor does not give, is the engine's InvalidInput."""
+    base_model = st.store.get_run(req.model_id, who)["base_model"]
+    first = next(i for i, d in enumerate(data) if images.has_images(d.token_ids))
+    images.refuse_images(st.model_info(base_model), base_model, f"data[{first}].model_input", first)
+    total = st.scheduler.backend.validate(ForwardRequest(req.model_id, data, req.loss_fn, config), not req.forward_only)
+    return images.expanded_lengths(data, total)
 
 
 class OptimStep(TinkerBody):
