@@ -96,7 +96,8 @@ def serve_main(args) -> int:
 # ---- the engine ---------------------------------------------------------------------------------
 
 def add_engine_flags(serve: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --max-lora-rank, --max-sequences, --max-cached-tokens: defaults from EngineConfig."""
+    """--device, --dtype, --max-lora-rank, --max-sequences, --max-cached-tokens, --page-idle-seconds: defaults
+    from EngineConfig."""
     from whitney.engine.backend import EngineConfig
 
     default = EngineConfig()
@@ -112,13 +113,29 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
                             "auto: float32 on the CPU, bfloat16 on CUDA; bfloat16 is several times faster on "
                             "CPUs with AVX-512 BF16")
+    serve.add_argument("--page-idle-seconds", type=_seconds, default=default.page_idle_seconds, metavar="S",
+                       help="page a run untouched for S seconds out to <data-dir>/paged (adapter, optimizer "
+                            "state, gradients, sampler versions) and free its memory; its next operation reads it "
+                            "back first, bitwise as it was (default: never)")
 
 
 def engine_config(args):
     from whitney.engine.backend import EngineConfig
 
     return EngineConfig(max_lora_rank=args.max_lora_rank, device=args.device, compute_dtype=args.dtype,
-                        max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens)
+                        max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens,
+                        page_idle_seconds=args.page_idle_seconds)
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse reports the rule on anything else)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 # ---- where the engine runs ----------------------------------------------------------------------
@@ -170,6 +187,11 @@ def add_request_limit_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("per-request limits", "beyond each, a request is refused with a 413 that "
                                      "states the limit (shown in /v1/training/capabilities)")
     for f in fields(Limits):
+        if f.name == "image_dirs":
+            group.add_argument("--image-dir", dest="image_dirs", action="append", default=[], metavar="DIR",
+                               help="a directory whose images image_asset_pointer chunks may name (repeatable; "
+                                    "default none: every pointer is refused)")
+            continue
         group.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, metavar="N",
                            help=f"{f.metadata['help']} (default {f.default})")
 
@@ -179,7 +201,13 @@ def request_limits(args):
 
     from whitney.service.limits import Limits
 
-    return Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+    from whitney.errors import InvalidInput
+
+    for d in args.image_dirs:
+        if not Path(d).is_dir():
+            raise InvalidInput(f"--image-dir {d} is not a directory", field="image_dirs")
+    return Limits(**{f.name: tuple(getattr(args, f.name)) if f.name == "image_dirs" else getattr(args, f.name)
+                     for f in fields(Limits)})
 
 # ---- API keys and per-key quotas ------------------------------------------------------------------
 

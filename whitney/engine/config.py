@@ -15,3 +15,8 @@ class EngineConfig:
     max_sequences: int = 256  # sampling: concurrent sequences per base model (more wait in a queue)
     max_cached_tokens: int = 262_144  # sampling: KV-cache tokens per base model
     max_prefill_tokens: int = 8192  # sampling: prompt tokens prefilled per step
+    # Paging (engine/paging.py): a run untouched this many seconds is written to disk and freed from memory,
+    # and read back at its next use; None: never. The files go to an engine's own directory under paging_dir
+    # (the service: <data_dir>/paged; None: the system's temporary directory).
+    page_idle_seconds: float | None = None
+    paging_dir: str | None = None

@@ -127,6 +127,8 @@ def start_backend(config: ServiceConfig, shown: list[str]) -> Backend:
     """The configured backend with the models loaded (`shown`: the name each is served under)."""
     # Sampling prefills at most one engine call's budget of prompt tokens per step, as training does.
     engine = replace(config.engine, max_prefill_tokens=config.limits.max_batch_tokens)
+    if engine.paging_dir is None:  # idle runs are paged out to the data dir (engine/paging.py)
+        engine = replace(engine, paging_dir=str(Path(config.data_dir).expanduser() / "paged"))
     if config.backend == "inprocess":
         backend = InProcessBackend.start(engine, [])
         for name, public in zip(config.models, shown):

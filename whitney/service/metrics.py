@@ -13,13 +13,17 @@ Read from the store and the backend at each scrape:
   whitney_sampling_requests_in_flight               sampling requests the backend holds (batch occupancy)
   whitney_base_model_bytes{model, device, dtype}    frozen base weights per base model
   whitney_run_adapter_bytes{run_id, base_model}     what each live run holds (LoRA weights, AdamW, gradient)
+  whitney_runs_in_memory, whitney_runs_paged_out    the backend's runs held in memory and paged out to disk
+                                                    (idle for --page-idle-seconds; engine/paging.py)
+  whitney_page_{outs,ins}_total, whitney_page_{out,in}_seconds_total   runs paged out / in so far and the
+                                                    time it took (rate of seconds / rate of count: mean time)
 Rates (tokens/s) are Prometheus's `rate()` of the counters.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from whitney.service.lifecycle import RUN_LIVE, OperationKind, OperationStatus, SessionStatus
 
@@ -93,3 +97,15 @@ class _Holdings:
         for run in st.store.live_runs():  # run_bytes: 0 for a model no longer served
             adapters.add_metric([run["id"], run["base_model"]], st.quotas.run_bytes(run["base_model"], run["lora"]))
         yield from (runs, sessions, sampling, models, adapters)
+        residency = backend.residency()
+        for name, text in (("runs_in_memory", "Runs whose state the backend holds in memory"),
+                           ("runs_paged_out", "Idle runs whose state is paged out to disk")):
+            gauge = GaugeMetricFamily(f"whitney_{name}", text)
+            gauge.add_metric([], residency[name.removeprefix("runs_")])
+            yield gauge
+        for name, text in (("page_outs", "Runs paged out so far"), ("page_ins", "Runs paged back in so far"),
+                           ("page_out_seconds", "Time spent paging runs out"),
+                           ("page_in_seconds", "Time spent paging runs back in")):
+            counter = CounterMetricFamily(f"whitney_{name}", text)
+            counter.add_metric([], residency.get(name, 0))
+            yield counter

@@ -30,6 +30,7 @@ def capabilities(st: State) -> dict:
             "compute_dtype": info.compute_dtype,
             "device": info.device,
             "adaptable_modules": list(info.adaptable_modules),
+            "vision": getattr(info, "vision", False),  # takes image chunks (limits: max_image_* below)
         } for name, info in ((name, st.model_info(name)) for name in st.models)],
         "operations": [*TRAINING_KINDS, *SAMPLING_KINDS],
         "loss_functions": {name: list(loss["config"]) for name, loss in losses.items()},
@@ -40,8 +41,16 @@ def capabilities(st: State) -> dict:
             "max_concurrent_sequences": config.max_sequences,
             "max_cached_tokens": config.max_cached_tokens,
         },
-        "features": {"gradient_scale_v1": True, "lora_plus": True, "soft_targets": True, "opsd": True},
+        "features": {"gradient_scale_v1": True, "lora_plus": True, "soft_targets": True, "opsd": True,
+                     "image_asset_pointers": bool(st.limits.image_dirs)},
+        # Live runs in memory and paged out to disk (idle for page_idle_seconds; None: never paged).
+        "runs": {**_residency(st), "page_idle_seconds": config.page_idle_seconds},
     }
+
+
+def _residency(st) -> dict:
+    counts = st.scheduler.backend.residency()
+    return {"in_memory": counts["in_memory"], "paged_out": counts["paged_out"]}
 
 
 @router.get("/quota")

@@ -1,0 +1,327 @@
+"""Idle runs paged out to disk and back (engine/paging.py): bitwise equal to never having left, memory given
+back to the system (measured as the process's RSS), files gone with their runs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig
+from whitney.engine.backend import EngineConfig
+from whitney.engine.paging import remove_leftovers
+from whitney.engine.sampler import SamplingParams
+from whitney.errors import Conflict, InvalidInput, NotFound
+
+LORA = LoraConfig(rank=4, alpha=8.0, seed=7)
+
+
+def _data(step: int) -> list[Datum]:
+    """Two datums of different lengths, different every step."""
+    a = [(7 * step + 3 * i) % 900 + 5 for i in range(9)]
+    b = [(11 * step + 5 * i) % 900 + 5 for i in range(6)]
+    return [Datum(a[:-1], {"target_tokens": a[1:]}), Datum(b[:-1], {"target_tokens": b[1:], "weights": [1.0] * 5})]
+
+
+def _state(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
+    """Every tensor the run holds, by a name saying where it is."""
+    run = engine.get_run(run_id)
+    out = {f"adapter/{k}": t for k, t in run.adapter.named_parameters()}
+    out.update({f"exp_avg/{k}": t for k, t in run.optimizer.exp_avg.items()})
+    out.update({f"exp_avg_sq/{k}": t for k, t in run.optimizer.exp_avg_sq.items()})
+    out.update({f"grads/{k}": t for k, t in run.grads.items()})
+    out.update({f"staged/{s}/{k}": t for s, g in run.staged.items() for k, t in g.items()})
+    out.update({f"version/{v}/{k}": t for v, a in run.sampler_versions.items() for k, t in a.named_parameters()})
+    return out
+
+
+def _assert_same_state(a: Engine, b: Engine, run_id: str) -> None:
+    sa, sb = _state(a, run_id), _state(b, run_id)
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        ta, tb = sa[name], sb[name]
+        assert ta.dtype == tb.dtype and ta.shape == tb.shape and ta.stride() == tb.stride(), name
+        assert ta.requires_grad == tb.requires_grad, name
+        assert torch.equal(ta.detach(), tb.detach()), f"{name} differs after paging"
+    assert a.get_run(run_id).optimizer.step == b.get_run(run_id).optimizer.step
+
+
+def _counts(engine: Engine) -> dict:
+    return {k: engine.residency()[k] for k in ("in_memory", "paged_out")}
+
+
+def _page_out_now(engine: Engine, run_id: str) -> None:
+    """Run the sweep the scheduler runs, with the clock past the idle time, and check the run left memory."""
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 1
+    assert _counts(engine) == {"in_memory": 0, "paged_out": 1}
+    run = engine.runs[run_id]
+    assert run.adapter is None and run.optimizer is None and not run.grads and not run.sampler_versions
+
+
+def test_a_run_paged_out_between_every_step_equals_one_never_paged(tiny_model, tmp_path):
+    """Identical seeds and data; one engine pages its run out (and so back in) before every operation: every
+    loss, log-prob, gradient (accumulated and staged), weight, AdamW moment, sampler version and sample is
+    bitwise the same as the engine that never pages."""
+    kept = Engine()
+    paged = Engine(page_idle_seconds=0, paging_dir=str(tmp_path / "paged"))
+    for engine in (kept, paged):
+        engine.create_run("r", tiny_model, LORA)
+    prompt = [1, 523, 1077, 33]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, num_samples=2, stop=())
+
+    def loss(result):
+        return result.loss, result.metrics, [(o.logprobs, o.elementwise_loss) for o in result.outputs]
+
+    def operations(step: int):
+        """(name, operation on an engine -> plain numbers), in a training loop's order."""
+        micro = _data(step + 10)
+        return [
+            ("forward_backward", lambda e: loss(e.forward_backward("r", _data(step)))),
+            # A micro-batched operation part-way: its staged gradient is paged with the run.
+            ("micro-batch 1", lambda e: loss(e.run_batch([ForwardRequest("r", micro[:1], stage="op")], True)[0])),
+            ("micro-batch 2", lambda e: loss(e.run_batch([ForwardRequest("r", micro[1:], stage="op")], True)[0])),
+            ("commit", lambda e: e.commit_gradients("r", "op")),
+            ("optim_step", lambda e: e.optim_step("r", {"learning_rate": 0.05, "gradient_clip_norm": 1.0,
+                                                         "weight_decay": 0.01})),
+            ("save_weights_for_sampler", lambda e: e.save_weights_for_sampler("r")),
+            ("sample", lambda e: [(s.tokens, s.logprobs) for s in
+                                  e.sample(prompt, params, run_id="r", version=step + 1).sequences]),
+            ("compute_logprobs", lambda e: e.compute_logprobs([prompt + [5, 6, 7]], run_id="r", version=1)),
+        ]
+
+    for step in range(3):
+        for name, op in operations(step):
+            _page_out_now(paged, "r")
+            assert op(kept) == op(paged), f"step {step}, {name}: the paged run's numbers differ"
+            _assert_same_state(kept, paged, "r")
+    assert len(paged.pager.seconds["out"]) == len(paged.pager.seconds["in"]) == 24
+    totals = paged.residency()
+    assert totals["page_outs"] == totals["page_ins"] == 24 and totals["page_in_seconds"] > 0
+    # Training moved the weights (the test compares something) and every version is kept.
+    assert sorted(paged.get_run("r").sampler_versions) == [1, 2, 3]
+    assert any(float(b.detach().abs().max()) > 0 for b in paged.get_run("r").adapter.B.values())
+
+
+def test_a_general_path_moe_run_pages_bitwise(tmp_path):
+    """The general path (Hugging Face modules, LoRA per expert: A [E, r, in], B [E, out, r]) pages the same."""
+    from tests.models import make_tiny_general_model
+
+    model = str(make_tiny_general_model(tmp_path / "moe", "qwen3_moe"))
+    kept = Engine()
+    paged = Engine(page_idle_seconds=0, paging_dir=str(tmp_path / "paged"))
+    lora = LoraConfig(rank=4, alpha=8.0, seed=3, target_modules=("q_proj", "experts.gate_up_proj", "experts.down_proj"))
+    for engine in (kept, paged):
+        engine.create_run("r", model, lora)
+    assert any(t.dim() == 3 for t in paged.get_run("r").adapter.parameters()), "an expert projection is adapted"
+    for step in range(2):
+        for name, op in (("forward_backward", lambda e: e.forward_backward("r", _data(step)).loss),
+                         ("optim_step", lambda e: e.optim_step("r", {"learning_rate": 0.05}))):
+            _page_out_now(paged, "r")
+            assert op(kept) == op(paged), f"step {step}, {name}"
+            _assert_same_state(kept, paged, "r")
+
+
+def test_a_gradient_in_a_transposed_layout_comes_back_in_it(tiny_llama, tmp_path):
+    """Autograd may hand back a gradient as a transposed view; its layout (strides) decides the order of a
+    norm's sums, so it is kept, not made contiguous."""
+    engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    run = engine.create_run("r", tiny_llama, LORA)
+    name, weight = run.adapter.named_parameters()[0]
+    grad = torch.randn(tuple(reversed(weight.shape))).T  # [r, in] over an [in, r] storage
+    run.grads[name] = grad
+    _page_out_now(engine, "r")
+    back = engine.get_run("r").grads[name]
+    assert back.stride() == grad.stride() and not back.is_contiguous() and torch.equal(back, grad)
+
+
+def test_each_tensor_comes_back_with_its_dtype_shape_strides_flag_and_bytes_in_memory_of_its_own(tiny_llama, tmp_path):
+    """Tensors of every layout paging must keep: half types, a transpose, a permuted 3-D tensor, an empty one,
+    integers, odd byte counts (the next one is padded to 64 bytes) and a 4 MB one (its block is read into a
+    mapping of its own). Each comes back bitwise, a leaf with its own storage (not a view of its block: a
+    safetensors save would refuse shared storage, and a transpose's storage would not cover it), 64-byte
+    aligned, still writable in place without touching its neighbours."""
+    engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    run = engine.create_run("r", tiny_llama, LORA)
+    g = torch.Generator().manual_seed(0)
+    sent = {
+        "odd": torch.randn(3, generator=g),  # 12 bytes
+        "big": torch.randn(1100, 1000, generator=g),  # 4.4 MB: the block goes over 2 MB
+        "bf16_t": torch.randn(64, 48, generator=g).to(torch.bfloat16).T,
+        "half_3d": torch.randn(3, 5, 7, generator=g).half().permute(2, 0, 1),
+        "empty": torch.zeros(0, 5),
+        "long": torch.arange(-3, 4, dtype=torch.int64),
+        "flagged": torch.randn(5, 6, generator=g).requires_grad_(True),
+    }
+    run.grads.update(sent)
+    run.staged["s"] = {"one": torch.randn(2, 9, generator=g).double()}
+    run.staged["z"] = {"nothing": torch.zeros(3, 0)}  # the last bytes written are none
+    before = {k: t.detach().clone().contiguous() for k, t in sent.items()}
+    staged_before = run.staged["s"]["one"].clone()
+    _page_out_now(engine, "r")
+    run = engine.get_run("r")
+    back = run.grads
+    assert sorted(back) == sorted(sent) and torch.equal(run.staged["s"]["one"], staged_before)
+    assert run.staged["z"]["nothing"].shape == (3, 0)
+    for name, t in sent.items():
+        b = back[name]
+        assert (b.dtype, b.shape, b.stride(), b.requires_grad) == (t.dtype, t.shape, t.stride(), t.requires_grad), name
+        assert b.is_leaf and b._base is None, f"{name} is a view"
+        assert b.untyped_storage().nbytes() == b.numel() * b.element_size(), f"{name} shares its storage"
+        assert torch.equal(b.detach().contiguous().view(torch.uint8), before[name].view(torch.uint8)), name
+        if b.numel():
+            assert b.data_ptr() % 64 == 0, f"{name} is not 64-byte aligned"
+    with torch.no_grad():
+        back["odd"].add_(1.0)
+    assert torch.equal(back["big"], before["big"]) and torch.equal(back["odd"], before["odd"] + 1.0)
+    # Pages back out and in again from the tensors built over the read-back memory.
+    _page_out_now(engine, "r")
+    again = engine.get_run("r").grads
+    assert torch.equal(again["big"], before["big"]) and again["bf16_t"].stride() == sent["bf16_t"].stride()
+
+
+def test_saves_exports_and_loads_page_the_run_in(tiny_llama, tmp_path):
+    kept = Engine()
+    paged = Engine(page_idle_seconds=0, paging_dir=str(tmp_path / "paged"))
+    for engine in (kept, paged):
+        engine.create_run("r", tiny_llama, LORA)
+        engine.forward_backward("r", _data(0))
+        engine.optim_step("r", {"learning_rate": 0.05})
+    _page_out_now(paged, "r")
+    for engine, out in ((kept, tmp_path / "kept"), (paged, tmp_path / "paged-out")):
+        engine.save_state("r", str(out / "state"))
+        engine.export_lora("r", str(out / "peft"))
+    for name in ("adapter.safetensors", "optimizer.safetensors", "whitney_state.json"):  # sha256s in the last
+        kept_file, paged_file = tmp_path / "kept" / "state" / name, tmp_path / "paged-out" / "state" / name
+        assert kept_file.read_bytes() == paged_file.read_bytes(), name
+    assert ((tmp_path / "kept" / "peft" / "adapter_model.safetensors").read_bytes()
+            == (tmp_path / "paged-out" / "peft" / "adapter_model.safetensors").read_bytes())
+    _page_out_now(paged, "r")
+    paged.load_state("r", str(tmp_path / "kept" / "state"), with_optimizer=True)
+    kept.load_state("r", str(tmp_path / "kept" / "state"), with_optimizer=True)
+    _assert_same_state(kept, paged, "r")
+
+
+def test_only_idle_runs_are_paged_and_validate_never_pages_in(tiny_llama, tmp_path):
+    engine = Engine(page_idle_seconds=1.0, paging_dir=str(tmp_path))
+    engine.create_run("idle", tiny_llama, LORA)
+    engine.create_run("busy", tiny_llama, LORA)
+    assert engine.page_out_idle() == 0, "nothing is idle yet"
+    time.sleep(1.05)
+    engine.get_run("busy")  # a use
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 1
+    assert set(engine.pager.paged) == {"idle"} and _counts(engine) == {"in_memory": 1, "paged_out": 1}
+    # Validation (the HTTP thread's) reads the base only: the run stays out.
+    assert engine.validate(ForwardRequest("idle", _data(0)), backward=True) == 13
+    assert "idle" in engine.pager.paged
+    engine.forward_backward("idle", _data(0))
+    assert _counts(engine) == {"in_memory": 2, "paged_out": 0}
+
+
+def test_a_run_sampled_from_stays_in_memory_until_its_request_ends(tiny_llama, tmp_path):
+    engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    engine.create_run("r", tiny_llama, LORA)
+    version = engine.save_weights_for_sampler("r")
+    request = engine.submit_sample([1, 2, 3], SamplingParams(max_tokens=4, seed=1, stop=()), run_id="r",
+                                   version=version)
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 0 and _counts(engine)["paged_out"] == 0, "its version is being sampled"
+    while not request.done:
+        engine.sample_step()
+    assert len(request.result.sequences[0].tokens) == 4
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 1
+
+
+def test_delete_create_and_unknown_runs_while_paged(tiny_llama, tmp_path):
+    engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    engine.create_run("r", tiny_llama, LORA)
+    engine.pager._next_sweep = 0.0
+    engine.page_out_idle()
+    (own,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(list(own.glob("run-*"))) == 1
+    with pytest.raises(Conflict):
+        engine.create_run("r", tiny_llama, LORA)
+    with pytest.raises(NotFound) as e:
+        engine.get_run("nope")
+    assert e.value.field == "run_id"
+    engine.discard_gradients("r", "no-such-stage")  # pages it in, drops nothing
+    engine.pager._next_sweep = 0.0
+    engine.page_out_idle()
+    engine.delete_run("r")
+    assert not list(own.glob("run-*")) and _counts(engine) == {"in_memory": 0, "paged_out": 0}
+    backend = InProcessBackend(engine)
+    backend.close()
+    assert not own.exists(), "the engine's directory goes with it"
+
+
+def test_a_run_that_cannot_be_written_stays_in_memory(tiny_llama, tmp_path):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    engine = Engine(page_idle_seconds=0, paging_dir=str(blocked))
+    engine.create_run("r", tiny_llama, LORA)
+    assert engine.page_out_idle() == 0 and _counts(engine) == {"in_memory": 1, "paged_out": 0}
+    assert engine.pager._next_sweep > time.monotonic() + 30, "not retried at every turn of the loop"
+    engine.forward_backward("r", _data(0))
+
+
+def test_page_idle_seconds_must_be_a_finite_non_negative_number(tmp_path):
+    for bad in (-1, float("nan"), float("inf"), "5", True):
+        with pytest.raises(InvalidInput) as e:
+            Engine(page_idle_seconds=bad, paging_dir=str(tmp_path))
+        assert e.value.field == "page_idle_seconds" and ">= 0" in e.value.message
+    config = InProcessBackend.start(EngineConfig(page_idle_seconds=2.5, paging_dir=str(tmp_path)), []).config
+    assert config.page_idle_seconds == 2.5 and config.paging_dir == str(tmp_path)
+
+
+def test_directories_of_ended_processes_are_removed(tmp_path):
+    import socket
+    import subprocess
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    ended = finished.pid  # a process that has ended (its pid not yet reused, within this test)
+    host = socket.gethostname()
+    gone = tmp_path / f"engine-{host}-{ended}-abc"
+    live = tmp_path / f"engine-{host}-1-abc"  # pid 1 always runs
+    other_host = tmp_path / f"engine-not-{host}-{ended}-abc"
+    for d in (gone, live, other_host):
+        d.mkdir()
+    remove_leftovers(tmp_path)
+    assert not gone.exists() and live.exists() and other_host.exists()
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (/proc/self/statm: pages)."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="RSS read from /proc (Linux)")
+def test_paged_out_and_deleted_runs_give_their_memory_back(tiny_llama, tmp_path):
+    """Measured as RSS, not Python objects: 8 runs at rank 32 with AdamW state (about 19 MB each on the
+    tiny model, whose unembedding B is [49152, 32]) paged out, back in, and deleted."""
+    engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    lora = LoraConfig(rank=32, seed=1)
+    for i in range(8):
+        engine.create_run(f"r{i}", tiny_llama, lora)
+        engine.forward_backward(f"r{i}", _data(i))
+        engine.optim_step(f"r{i}", {"learning_rate": 0.01})
+    held = sum(t.numel() * t.element_size() for i in range(8) for t in _state(engine, f"r{i}").values())
+    assert held > 8 * 15 * 2**20
+    before = _rss()
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 8
+    out = _rss()
+    assert before - out > 0.8 * held, f"paging out {held / 2**20:.0f} MB freed only {(before - out) / 2**20:.0f} MB"
+    for i in range(8):
+        engine.get_run(f"r{i}")
+    back = _rss()
+    assert back - out > 0.8 * held
+    for i in range(8):
+        engine.delete_run(f"r{i}")
+    assert back - _rss() > 0.8 * held, "deleted runs' memory returned"

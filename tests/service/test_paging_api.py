@@ -1,0 +1,85 @@
+"""Idle runs paged out behind a real server: the same numbers as a server that never pages, and the
+residency shown in /v1/training/capabilities ("runs") and /metrics (whitney_runs_in_memory / _paged_out)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+
+from tests.service.test_flow import LORA, expect, sft_batch, until
+from tests.service.test_metrics import scrape, value
+from whitney import Client
+from whitney.cli import add_engine_flags, engine_config
+from whitney.engine.backend import EngineConfig
+
+IDLE = 0.5  # seconds untouched before a run is paged out
+
+
+def _runs(http) -> dict:
+    return expect(http.get("/v1/training/capabilities"), 200)["runs"]
+
+
+def _train(server, paged: bool) -> list:
+    """A short loop: every operation's numbers; on the paging server each starts on a paged-out run."""
+    http = server.http()
+    run = Client(server.url).create_session().create_run(**LORA, seed=3)
+    prompt = [1, 523, 1077, 33]
+    out = []
+
+    def step(operation):
+        if paged:
+            until(lambda: _runs(http)["paged_out"] == 1, 30, "the idle run paged out")
+            files = list((server.config.data_dir / "paged").glob("engine-*/run-*"))
+            assert len(files) == 1 and files[0].stat().st_size > 0, files
+            m = scrape(http)
+            assert value(m, "whitney_runs_paged_out") == 1 and value(m, "whitney_runs_in_memory") == 0
+        out.append(operation())
+
+    for _ in range(2):
+        step(lambda: run.forward_backward(sft_batch()).result())
+        step(lambda: run.optim_step(learning_rate=1e-2).result()["metrics"])
+    step(lambda: run.save_weights_for_sampler().result()["version"])
+    step(lambda: run.sample(prompt, 1, num_samples=2, max_tokens=6, temperature=1.0, seed=4).result()["sequences"])
+    step(lambda: run.compute_logprobs([prompt + [5, 6, 7]], version=1).result())
+    step(lambda: sorted(run.save_state("s").result()["package"]))
+    run.cancel()
+    until(lambda: _runs(http) == {"in_memory": 0, "paged_out": 0, "page_idle_seconds": IDLE if paged else None},
+          30, "the cancelled run's state gone")
+    assert not list((server.config.data_dir / "paged").glob("engine-*/run-*")), "its page file removed"
+    return out
+
+
+def test_a_paging_server_gives_the_numbers_of_one_that_never_pages(make_server, tmp_path):
+    reference = make_server(data_dir=tmp_path / "reference")
+    assert _runs(reference.http()) == {"in_memory": 0, "paged_out": 0, "page_idle_seconds": None}
+    paging = make_server(data_dir=tmp_path / "paging", engine=EngineConfig(page_idle_seconds=IDLE))
+    assert paging.engine.pager.root == tmp_path / "paging" / "paged", "pages go to the data dir"
+    expected = _train(reference, paged=False)
+    assert _train(paging, paged=True) == expected
+    m = scrape(paging.http())
+    assert value(m, "whitney_page_ins_total") == value(m, "whitney_page_outs_total") >= 8
+    assert value(m, "whitney_page_in_seconds_total") > 0 and value(m, "whitney_page_out_seconds_total") > 0
+
+
+def test_a_run_in_use_is_not_paged_out(make_server, tmp_path):
+    server = make_server(engine=EngineConfig(page_idle_seconds=5.0))
+    http = server.http()
+    run = Client(server.url).create_session().create_run(**LORA, seed=3)
+    assert _runs(http) == {"in_memory": 1, "paged_out": 0, "page_idle_seconds": 5.0}
+    for _ in range(7):  # 7 s of use, never 5 s apart
+        run.forward_backward(sft_batch()).result()
+        assert _runs(http)["paged_out"] == 0
+        time.sleep(1.0)
+    until(lambda: _runs(http)["paged_out"] == 1, 30, "paged out once idle")
+
+
+def test_page_idle_seconds_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args([])).page_idle_seconds is None
+    assert engine_config(parser.parse_args(["--page-idle-seconds", "30"])).page_idle_seconds == 30.0
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--page-idle-seconds", bad])
