@@ -240,9 +240,11 @@ def test_ttl_expiry_waits_for_a_queued_load_then_deletes(server):
     assert row is not None and row.readers == 1 and Path(row.path).is_dir(), "deleted under a queued load"
     succeeded(http, expect(http.post(f"/v1/runs/{rid}/forward", json=fb_body(3)), 202)["id"])
     assert succeeded(http, load["id"])["checkpoint_id"] == ckpt["id"]  # the load ran on the files
-    until(lambda: not Path(row.path).exists(), 15, "the reaper deleting the files once the load ended")
-    with server.app.state.whitney.store.tx() as db:
-        assert db.execute(text("SELECT count(*) FROM model_packages WHERE id = :i"), {"i": ckpt["id"]}).scalar() == 0
+    def gone() -> bool:  # the reaper deletes the files, then the row (a second transaction)
+        with server.app.state.whitney.store.tx() as db:
+            rows = db.execute(text("SELECT count(*) FROM model_packages WHERE id = :i"), {"i": ckpt["id"]}).scalar()
+        return rows == 0 and not Path(row.path).exists()
+    until(gone, 15, "the reaper deleting the files and the row once the load ended")
     late = expect(http.post(f"/v1/runs/{rid}/load_state", json={"seq_id": 5, "checkpoint_id": ckpt["id"]}), 404)
     assert late["code"] == "not_found"
     expect(http.patch(f"/v1/checkpoints/{save_state(http, rid, 5)['id']}", json={"ttl_seconds": 0}), 422)

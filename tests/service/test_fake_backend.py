@@ -92,6 +92,9 @@ class FakeBackend:
         norm, self.grads[run_id] = self.grads[run_id], 0.0
         return {"grad_norm": norm}
 
+    def optim_steps(self, steps):
+        return [self.optim_step(run_id, params) for run_id, params in steps]
+
     def save_state(self, run_id, path, include_optimizer=True) -> None:
         Path(path).mkdir(parents=True)
         (Path(path) / "state").write_text(f"{self.grads[run_id]}")
@@ -129,6 +132,12 @@ class FakeBackend:
     def take_lost_runs(self) -> list[str]:
         lost, self.lost = self.lost, []
         return lost
+
+    def page_out_idle(self) -> int:
+        return 0  # holds no memory worth paging
+
+    def residency(self) -> dict[str, int]:
+        return {"in_memory": len(self.grads), "paged_out": 0}
 
     def render_chat(self, base_model, messages, add_generation_prompt=True, mark_assistant=False):
         raise InvalidInput("the fake model has no chat template", field="messages")

@@ -12,6 +12,8 @@ no exception objects in results), so a backend can live in this process (`InProc
   run_batch(requests, backward)   forward(_backward) of several runs' requests: a result or a Failure each
   commit_gradients / discard_gradients   a micro-batched operation's staged gradient, added or dropped
   optim_step, save_state, load_state, save_weights, export_lora
+  optim_steps([(run_id, params)])   several runs' optim_steps in one call: a result or a Failure each, each
+                                  bitwise the run's own optim_step
   save_weights_for_sampler(run_id, path) -> version: frozen, written to `path`, loadable everywhere
   compute_logprobs(sequences, weights)
   submit_sample(request_id, prompt, params, weights, stream=False); sample_step() -> [(request_id, result |
@@ -24,6 +26,10 @@ no exception objects in results), so a backend can live in this process (`InProc
                                   model's own tokenizer; like render_chat, callable from any thread (no
                                   engine state)
   take_lost_runs()                runs whose worker died since the last call (their state is gone)
+  page_out_idle()                 page out runs idle for `config.page_idle_seconds` (engine/paging.py); the
+                                  scheduler's training thread calls it between engine calls
+  residency()                     {"in_memory": runs, "paged_out": runs, "page_outs"/"page_ins": counts so far,
+                                  "page_out_seconds"/"page_in_seconds": their total time}; from any thread
   close()                         stop the workers
   sampling                        sampling requests in flight (the metrics' batch occupancy)
   separate_sampling               True when sampling and scoring run apart from training (other workers):
@@ -41,10 +47,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from whitney.engine import chat
+from whitney.engine.allocator import keep_freed_memory
 from whitney.engine.config import EngineConfig
 from whitney.engine.lora import LoraConfig, adaptable_short_names, lora_numel, validate_lora_config
 from whitney.engine.model import COMPUTE_DTYPES, BaseModel
-from whitney.engine.optim import AdamParams
+from whitney.engine.optim import AdamParams, optim_steps
 from whitney.engine.requests import ForwardRequest, ForwardResult
 from whitney.engine.runs import Engine
 from whitney.engine.sampler import SampleProgress, SampleRequest, SampleResult, SamplingParams
@@ -67,6 +74,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # path -> (in, out[, E])
     weight_bytes: int = 0  # the frozen base's tensors held by the worker (its shard, when sharded)
+    vision: bool = False  # takes image chunks (a vision-language checkpoint with its processor; engine/vision.py)
 
     @classmethod
     def of(cls, base: BaseModel, name: str) -> "ModelInfo":
@@ -75,7 +83,8 @@ class ModelInfo:
                    adaptable_modules=tuple(sorted(adaptable_short_names(base.linear_shapes))),
                    compute_dtype=next(k for k, v in COMPUTE_DTYPES.items() if v == base.compute_dtype),
                    device=str(base.device), eos_token_ids=tuple(base.eos_token_ids),
-                   linear_shapes=dict(base.linear_shapes), weight_bytes=tensor_bytes(vars(base)))
+                   linear_shapes=dict(base.linear_shapes), weight_bytes=tensor_bytes(vars(base)),
+                   vision=base.vision is not None)
 
 
 def tensor_bytes(obj, seen: set[int] | None = None) -> int:
@@ -174,6 +183,7 @@ class Backend(Protocol):
     def commit_gradients(self, run_id: str, stage: str) -> None: ...
     def discard_gradients(self, run_id: str, stage: str) -> None: ...
     def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]: ...
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Failure]: ...
     def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None: ...
     def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None: ...
     def save_weights(self, run_id: str, path: str, merge: bool = False) -> None: ...
@@ -188,6 +198,8 @@ class Backend(Protocol):
     def encode(self, base_model: str, text: str) -> list[int]: ...
     def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]: ...
     def take_lost_runs(self) -> list[str]: ...
+    def page_out_idle(self) -> int: ...
+    def residency(self) -> dict[str, float]: ...
     def close(self) -> None: ...
     @property
     def sampling(self) -> int: ...
@@ -204,10 +216,13 @@ class InProcessBackend(chat.TextMethods):
 
     @classmethod
     def start(cls, config: EngineConfig, models: list[str]) -> "InProcessBackend":
-        """An engine with `config`, its base models loaded."""
+        """An engine with `config`, its base models loaded; the process's heap keeps freed memory for reuse
+        (allocator.py: no page faults on every call's large tensors)."""
+        keep_freed_memory()
         engine = Engine(max_lora_rank=config.max_lora_rank, compute_dtype=config.compute_dtype,
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
-                        max_prefill_tokens=config.max_prefill_tokens, device=config.device)
+                        max_prefill_tokens=config.max_prefill_tokens, device=config.device,
+                        page_idle_seconds=config.page_idle_seconds, paging_dir=config.paging_dir)
         backend = cls(engine)
         for name in models:
             backend.load_model(name)
@@ -219,7 +234,8 @@ class InProcessBackend(chat.TextMethods):
         e = self.engine
         return EngineConfig(max_lora_rank=e.max_lora_rank, device=str(e.device), compute_dtype=e.compute_dtype_name,
                             max_sequences=e.max_sequences, max_cached_tokens=e.max_cached_tokens,
-                            max_prefill_tokens=e.max_prefill_tokens)
+                            max_prefill_tokens=e.max_prefill_tokens, page_idle_seconds=e.pager.idle_seconds,
+                            paging_dir=str(e.pager.root))
 
     def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
         """Load a base model (once) and describe it; `alias` names the same model a second way."""
@@ -265,6 +281,30 @@ class InProcessBackend(chat.TextMethods):
 
     def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]:
         return self.engine.optim_step(run_id, params)
+
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Failure]:
+        """The runs' optim_steps (each run at most once) in one multi-tensor pass (`optim.optim_steps`), each
+        bitwise the run's own; a refused one (unknown run, bad parameters) gets its Failure alone."""
+        out: list = [None] * len(steps)
+        batch, where, seen = [], [], set()
+        for i, (run_id, params) in enumerate(steps):
+            try:
+                if type(self.engine).optim_step is not Engine.optim_step:  # its own step (sharded: broadcasts first)
+                    out[i] = self.engine.optim_step(run_id, params)
+                    continue
+                if run_id in seen:
+                    raise Conflict(f"run {run_id!r} has two optim_steps in one call", field="run_id")
+                run = self.engine.get_run(run_id)  # pages the run in (paging.py)
+                params.validate()
+            except BaseException as e:
+                out[i] = Failure.of(e)
+                continue
+            seen.add(run_id)
+            batch.append((run.weights(), run.grads, run.optimizer, params))
+            where.append(i)
+        for i, metrics in zip(where, optim_steps(batch)):
+            out[i] = metrics
+        return out
 
     def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None:
         self.engine.save_state(run_id, path, include_optimizer)
@@ -329,13 +369,19 @@ class InProcessBackend(chat.TextMethods):
     def take_lost_runs(self) -> list[str]:
         return []  # the engine lives and dies with this process
 
+    def page_out_idle(self) -> int:
+        return self.engine.page_out_idle()
+
+    def residency(self) -> dict[str, float]:
+        return self.engine.residency()
+
     @property
     def sampling(self) -> int:
         """Sampling requests in flight."""
         return len(self._samples)
 
     def close(self) -> None:
-        pass
+        self.engine.pager.close()  # the paged-out runs' files
 
 
 __all__ = ["BYTES_PER_PARAMETER", "Backend", "EngineConfig", "Failure", "InProcessBackend", "ModelInfo", "Weights",

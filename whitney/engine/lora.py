@@ -224,6 +224,11 @@ class RowGroups:
         """y + scale * (x @ A^T) @ B^T for each group's rows. x [R, ..., in], y [R, ..., out]."""
         if any(len(entry) == 2 for entry in self.bounds):
             return self._apply_scattered(name, x, y)
+        if len(self.bounds) == 1 and _covers(self.bounds[0], name, y):
+            # One adapter over every row: its delta added in place (y is a fresh projection output that autograd
+            # does not keep), with no second [R, out] tensor (the unembedding's [R, V] above all).
+            delta = _delta(self.bounds[0][2], name, x)
+            return y.add_(delta) if y._base is None else y + delta
         # Contiguous groups: the deltas (zeros for rows without this module) are concatenated and added
         # once. An in-place add per group would make autograd clone the whole gradient of y per group.
         pieces, covered = [], 0
@@ -258,6 +263,12 @@ class RowGroups:
         return RowGroups([(starts[s], starts[e], a) for s, e, a in self.bounds])
 
 
+def _covers(bound: tuple, name: str, y: torch.Tensor) -> bool:
+    """Whether one contiguous group adapts `name` on every row of y."""
+    start, end, adapter = bound
+    return adapter is not None and name in adapter.A and start == 0 and end == y.shape[0]
+
+
 def _delta(adapter: Adapter, name: str, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
     """scale * (x @ A^T) @ B^T for rows x [R, ..., in] -> [R, ..., out] (x's dtype): two thin matmuls, never B @ A.
     With `expert`, A and B are that expert's of an expert projection (A[name][expert], B[name][expert]).
@@ -266,9 +277,13 @@ def _delta(adapter: Adapter, name: str, x: torch.Tensor, expert: int | None = No
     few rows make them overhead-bound, and CPU bfloat16 kernels are 2-9x slower there (measured 13 vs
     32-119 us at 16 rows); above it, bfloat16 is 3x faster (130 vs 480 us at 1024 rows). A CPU-only
     trick: on CUDA they run in the compute dtype.
+
+    B^T is made contiguous ([r, out], a copy of out * r numbers): the gradient of B is then one wide
+    [r, R] @ [R, out] product; with B^T as a transposed view autograd computes it as [out, R] @ [R, r], a
+    thin-output shape that BLAS runs 3-25x slower (the unembedding's B, [V, r], above all).
     """
     rows = x.numel() // x.shape[-1]
     dt = torch.float32 if rows <= FLOAT32_DELTA_ROWS and x.device.type == "cpu" else x.dtype
     a = (adapter.A[name] if expert is None else adapter.A[name][expert]).to(dt)  # [r, in]
     b = (adapter.B[name] if expert is None else adapter.B[name][expert]).to(dt)  # [out, r]
-    return (((x.to(dt) @ a.T) * adapter.scale) @ b.T).to(x.dtype)  # scale the thin [R, r] product
+    return (((x.to(dt) @ a.T) * adapter.scale) @ b.T.contiguous()).to(x.dtype)  # scale the thin [R, r] product

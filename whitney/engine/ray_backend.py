@@ -102,6 +102,7 @@ class RayBackend(chat.TextMethods):
         self._run_model: dict[str, str] = {}
         self._versions: dict[tuple[str, int], str] = {}  # (run, version) -> its state file directory
         self._lost: list[str] = []
+        self._next_page_sweep = 0.0  # page_out_idle asks the trainers at most once a second
         self._tokenizers: dict[str, Any] = {}  # model -> its tokenizer, fetched once from its trainer
         self._tokenizer_lock = threading.Lock()
         actor = ray.remote(ModelWorker)
@@ -247,6 +248,11 @@ class RayBackend(chat.TextMethods):
         else:
             model = self._trainer_of_run(request.run_id).model
         info = self._info[model]
+        chunks = [c for d in (request.data if isinstance(request.data, list) else ())
+                  for c in (getattr(d, "token_ids", None) if isinstance(getattr(d, "token_ids", None), list) else ())]
+        if info.vision and any(not isinstance(c, (int, list)) for c in chunks):
+            # image chunks: the model's own processor expands them, in the worker
+            return self._call(self._trainers[model], "validate", request, backward)
         return sum(d.length for d in check_request(request, backward, info.vocab_size, info.max_context).datums)
 
     def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,
@@ -310,6 +316,16 @@ class RayBackend(chat.TextMethods):
 
     def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]:
         return self._call(self._trainer_of_run(run_id), "optim_step", run_id, params)
+
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Failure]:
+        """One trainer call per step (the in-process backend batches them in one pass)."""
+        out: list = []
+        for run_id, params in steps:
+            try:
+                out.append(self.optim_step(run_id, params))
+            except (WhitneyError, WorkerLost) as e:
+                out.append(Failure.of(e))
+        return out
 
     def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None:
         self._call(self._trainer_of_run(run_id), "save_state", run_id, path, include_optimizer)
@@ -443,6 +459,28 @@ class RayBackend(chat.TextMethods):
         with self._lock:
             lost, self._lost = self._lost, []
         return lost
+
+    def page_out_idle(self) -> int:
+        """Every trainer pages out its own idle runs (engine/paging.py); asked at most once a second."""
+        if self.config.page_idle_seconds is None or time.monotonic() < self._next_page_sweep:
+            return 0
+        self._next_page_sweep = time.monotonic() + 1.0
+        return sum(self._each_trainer("page_out_idle"))
+
+    def residency(self) -> dict[str, float]:
+        """Runs in memory and paged out, page-outs and page-ins: summed over the trainers (replicas hold none)."""
+        answers = self._each_trainer("residency") or [{"in_memory": 0, "paged_out": 0}]
+        return {key: sum(a[key] for a in answers) for key in answers[0]}
+
+    def _each_trainer(self, method: str) -> list:
+        """The method's answer from each trainer; one lost or restarting has no runs to count."""
+        answers = []
+        for worker in list(self._trainers.values()):
+            try:
+                answers.append(self._call(worker, method))
+            except (WorkerLost, Unavailable):
+                pass
+        return answers
 
     def close(self) -> None:
         """Stop the workers (and the local Ray instance this backend started)."""

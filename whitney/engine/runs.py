@@ -11,14 +11,13 @@ Shape legend: B rows (datums), T padded length, D hidden, V vocab, N tokens of o
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from whitney.engine import checkpoint as ckpt
+from whitney.engine import vision
 from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
 from whitney.engine.config import EngineConfig
 from whitney.engine.hf_sampler import HFSampler
@@ -30,13 +29,11 @@ from whitney.engine.model import (
     target_logprobs,
 )
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step
+from whitney.engine.paging import Pager, release_memory
 from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, check_request
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
 from whitney.engine.transformer import forward_hidden, unembed
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
-
-# glibc's malloc_trim (None elsewhere): a deleted run's freed heap goes back to the system.
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
 
 # Tokens per unembedding chunk: bounds the [tokens, V] logits held at once (recomputed in backward).
 LOGITS_CHUNK = 1024
@@ -49,7 +46,8 @@ class Run:
     `grads` holds a tensor per weight only between a forward_backward and the optim_step that consumes
     it; an idle run costs its adapter and (once it has stepped) its two AdamW moments. `staged` holds
     the gradients of an operation that runs in several micro-batches until its last one succeeded
-    (`Engine.commit_gradients`), so an operation adds its gradient whole or not at all.
+    (`Engine.commit_gradients`), so an operation adds its gradient whole or not at all. While the run is
+    paged out (paging.py) all of these are on disk (adapter and optimizer None): reach it by `Engine.get_run`.
     """
 
     run_id: str
@@ -86,7 +84,9 @@ class Engine:
                  compute_dtype: str | torch.dtype = EngineConfig.compute_dtype,
                  max_sequences: int = EngineConfig.max_sequences, max_cached_tokens: int = EngineConfig.max_cached_tokens,
                  max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
-                 device: str | torch.device = EngineConfig.device):
+                 device: str | torch.device = EngineConfig.device,
+                 page_idle_seconds: float | None = EngineConfig.page_idle_seconds,
+                 paging_dir: str | None = EngineConfig.paging_dir):
         self.max_lora_rank = max_lora_rank
         self.device = resolve_device(device)  # "auto" resolved: cpu or cuda:N
         self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)  # base weights, activations
@@ -97,6 +97,7 @@ class Engine:
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self._checkpoint_adapters: dict[str, Adapter] = {}
+        self.pager = Pager(page_idle_seconds, paging_dir)  # idle runs to disk and back (paging.py)
 
     @property
     def compute_dtype_name(self) -> str:
@@ -118,17 +119,33 @@ class Engine:
         adapter = init_adapter(base, lora or LoraConfig(), self.max_lora_rank)
         run = Run(run_id, base, adapter, {})
         self.runs[run_id] = run
+        self.pager.touch(run)
         return run
 
     def get_run(self, run_id: str) -> Run:
+        """The run, paged back in first if it was paged out (every use of a run comes through here)."""
+        run = self._find_run(run_id)
+        self.pager.touch(run)
+        return run
+
+    def _find_run(self, run_id: str) -> Run:
         if run_id not in self.runs:
             raise NotFound(f"run {run_id!r} does not exist", field="run_id")
         return self.runs[run_id]
 
     def delete_run(self, run_id: str) -> None:
-        """Forget a run and give its memory back (glibc keeps a run's freed MBs until malloc_trim)."""
-        if self.runs.pop(run_id, None) is not None and _MALLOC_TRIM is not None:
-            _MALLOC_TRIM(0)
+        """Forget a run (and its page file) and give its memory back (glibc keeps freed MBs until malloc_trim)."""
+        self.pager.forget(run_id)
+        if self.runs.pop(run_id, None) is not None:
+            release_memory()
+
+    def page_out_idle(self) -> int:
+        """Page out the runs untouched for `page_idle_seconds` (paging.py); how many."""
+        return self.pager.page_out_idle(self.runs)
+
+    def residency(self) -> dict[str, float]:
+        """Runs in memory and paged out; page-outs and page-ins so far and their seconds (any thread)."""
+        return self.pager.residency(len(self.runs))
 
     def commit_gradients(self, run_id: str, stage: str) -> None:
         """Add a staged operation's gradient (all its micro-batches) to the run's accumulator."""
@@ -138,9 +155,8 @@ class Engine:
 
     def discard_gradients(self, run_id: str, stage: str) -> None:
         """Forget a staged operation's gradient (it failed or was cancelled part-way)."""
-        run = self.runs.get(run_id)
-        if run is not None:
-            run.staged.pop(stage, None)
+        if run_id in self.runs:
+            self.get_run(run_id).staged.pop(stage, None)
 
     # ---- forward and forward_backward ----------------------------------------------------
 
@@ -185,8 +201,13 @@ class Engine:
         return out  # type: ignore[return-value]
 
     def validate(self, request: ForwardRequest, backward: bool) -> int:
-        """Check a request without running it (safe from another thread); return its token count."""
-        return sum(d.length for d in self._prepare(request, backward).datums)
+        """Check a request without running it (safe from another thread: it reads the run's base model only,
+        never pages the run in); return its token count."""
+        base = (self._find_run(request.run_id).base if request.run_id is not None
+                else self.load_model(request.base_model or DEFAULT_MODEL))
+        checked = check_request(request, backward, base.config.vocab_size, base.config.max_context,
+                                vision.expander(base))
+        return sum(d.length for d in checked.datums)
 
     def _prepare(self, request: ForwardRequest, backward: bool) -> _Prepared:
         if request.run_id is None:
@@ -195,7 +216,8 @@ class Engine:
         else:
             run = self.get_run(request.run_id)
             adapter, base = run.adapter, run.base
-        checked = check_request(request, backward, base.config.vocab_size, base.config.max_context)
+        checked = check_request(request, backward, base.config.vocab_size, base.config.max_context,
+                                vision.expander(base))
         return _Prepared(request, adapter, run, checked.datums, checked.spec, checked.config, checked.rows)
 
     def _compute(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[ForwardResult | WhitneyError]:
@@ -212,7 +234,9 @@ class Engine:
             row += len(it.datums)
         groups = RowGroups(bounds)
         with torch.set_grad_enabled(backward):
-            hidden = forward_hidden(base, tokens, groups)  # [B, T, D]
+            images = [d.images for it in items for d in it.datums]  # per row, its processed images
+            hidden = (vision.forward_hidden(base, tokens, images, groups) if any(images)
+                      else forward_hidden(base, tokens, groups))  # [B, T, D]
             valid = (torch.arange(T, device=base.device)[None, :]
                      < torch.tensor(lengths, device=base.device)[:, None])  # [B, T]
             flat = hidden[valid]  # [sum N, D], row-major: each request's tokens are contiguous
@@ -312,13 +336,14 @@ class Engine:
         for i, s in enumerate(sequences):
             if not isinstance(s, list) or len(s) == 0:
                 raise InvalidInput(f"sequence {i} is empty", field="sequences", datum_index=i)
-        data = [Datum(s[:-1] or s, {"target_tokens": s[1:] or s}) for s in sequences]
+        expand = vision.expander(base)  # a sequence may hold image chunks (vision.logprob_datum)
+        data, image_rows = zip(*(vision.logprob_datum(expand, s, i) for i, s in enumerate(sequences)))
         ce = LOSSES["cross_entropy"]
-        items = [_Prepared(ForwardRequest(None, data), adapter, None,
-                           [prepare_datum(d, i, ce.inputs, {"target_tokens"}, base.config.vocab_size,
-                                          base.config.max_context) for i, d in enumerate(data)], ce, {})]
-        (result,) = self._compute(base, items, backward=False)
-        return [[None] + (o.logprobs if len(s) > 1 else []) for s, o in zip(sequences, result.outputs)]
+        prepared = [prepare_datum(d, i, ce.inputs, {"target_tokens"}, base.config.vocab_size,
+                                  base.config.max_context, expand) for i, d in enumerate(data)]
+        (result,) = self._compute(base, [_Prepared(ForwardRequest(None, list(data)), adapter, None, prepared, ce, {})],
+                                  backward=False)
+        return [vision.sequence_logprobs(o.logprobs, im) for o, im in zip(result.outputs, image_rows)]
 
     def resolve_weights(self, *, run_id: str | None = None, version: int | None = None,
                         checkpoint_path: str | None = None, base_model: str | None = None
@@ -356,7 +381,10 @@ class Engine:
         if base.name not in self.samplers:
             kind = Sampler if base.hf is None else HFSampler  # the general path samples with the model's cache
             self.samplers[base.name] = kind(base, self.max_sequences, self.max_cached_tokens, self.max_prefill_tokens)
-        return self.samplers[base.name].submit(prompt, params, adapter)
+        request = self.samplers[base.name].submit(prompt, params, adapter)
+        if run_id is not None:
+            self.pager.hold(run_id, request)  # the run stays in memory until the request ends
+        return request
 
     def sample_step(self) -> bool:
         """One admit + decode step on every base model with sampling work; False when all are idle."""
@@ -368,6 +396,7 @@ class Engine:
     def reset_sampling(self) -> None:
         """Drop every queued and running sampling request (after a failure left a sampler inconsistent)."""
         self.samplers.clear()
+        self.pager.holds.clear()
 
     def sample(self, prompt: list[int], params: SamplingParams | None = None, **weights) -> SampleResult:
         """Submit one request and step until it is done (other queued requests advance too)."""

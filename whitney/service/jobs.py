@@ -1,5 +1,5 @@
 """Typed jobs: what an operation asks the backend to do, parked in the scheduler under its seq_id; and
-the conversions between the wire's plain data and the backend's (datums in, results out)."""
+the conversions of the backend's results to the wire's plain data (datums in: service/images.py `datums`)."""
 
 from __future__ import annotations
 
@@ -73,15 +73,3 @@ def sample_result_dict(result) -> dict:
         "topk_prompt_logprobs": result.topk_prompt_logprobs,
         "target_prompt_logprobs": result.target_prompt_logprobs,
     }
-
-
-def datum_length(datum: Datum) -> int:
-    """Input tokens of a datum (its token_ids are a list of ints or of chunks)."""
-    ids = datum.token_ids
-    return sum(len(c) for c in ids) if ids and isinstance(ids[0], (list, tuple)) else len(ids)
-
-
-def build_datums(data: list[dict]) -> list[Datum]:
-    """Wire datums ({input: {token_ids}, loss_inputs}) as engine datums."""
-    return [Datum(d["input"]["token_ids"], d.get("loss_inputs") or {}) for d in data]
-

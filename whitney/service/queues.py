@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from whitney.engine import ForwardResult
-from whitney.engine.backend import Weights
+from whitney.engine.backend import Backend, Failure, Weights
 from whitney.engine.sampler import SampleProgress, SampleResult
 from whitney.service.jobs import Job, sample_result_dict
+from whitney.service.images import known_length
+from whitney.service.limits import plan_micro_batches
 
 
 @dataclass
@@ -58,6 +60,19 @@ class Scoring:
     weights: Weights
     done: int = 0
     logprobs: list = field(default_factory=list)
+
+    def score_chunk(self, backend: Backend, max_batch_tokens: int) -> Failure | None:
+        """Score the next chunk of sequences (at most max_batch_tokens tokens); its Failure (datum_index
+        within the whole request), or None."""
+        lengths = [known_length(s) for s in self.sequences[self.done:]]  # positions, an image as its expected_tokens
+        (count,) = plan_micro_batches([lengths], max_batch_tokens, [False])
+        try:
+            self.logprobs += backend.compute_logprobs(self.sequences[self.done:self.done + count], self.weights)
+        except BaseException as e:
+            error = Failure.of(e)
+            return error if error.datum_index is None else replace(error, datum_index=error.datum_index + self.done)
+        self.done += count
+        return None
 
 
 class SampleStream:

@@ -6,8 +6,11 @@ forward_backward (or forward) operations of different runs to the backend as one
 most `max_batch_tokens` tokens, shared max-min fairly between the runs (`limits.plan_micro_batches`):
 an operation larger than its share runs as several micro-batches, one per engine call, its gradient
 staged in the backend until the last one succeeded, with other runs' work in between. Every other
-operation runs alone. Between training batches the worker advances sampling by one decode step and
-scoring (compute_logprobs) by one chunk, so none of them stalls the others for long. A backend whose
+ready optim_step of every run goes in one backend call (`optim_steps`), every other operation runs alone;
+a batch's starts and ends are each one store transaction. Between training iterations the worker decodes
+until sampling has had as much time as the last training iteration (at least one step; a sample submitted
+meanwhile joins at the next step) and scores (compute_logprobs) one chunk, so neither training nor sampling
+starves the other. A backend whose
 sampling runs apart from training (`separate_sampling`: the Ray backend's sampler workers) gets a second
 thread for sampling and scoring instead, so neither waits for the other. Runs the backend lost with a
 dying worker are interrupted and their waiting operations fail with `worker_lost`. Each terminal
@@ -29,15 +32,14 @@ from typing import Any, Callable
 from whitney.engine import ForwardRequest, LoraConfig, merge_results
 from whitney.engine.backend import Backend, Failure, Weights
 from whitney.engine.sampler import SampleProgress, SamplingParams
-from whitney.errors import InvalidInput
-from whitney.service.jobs import (ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob, forward_result_dict,
-                                  public_package)
+from whitney.service.jobs import ForwardJob, Job, OptimJob, Refused, forward_result_dict
 from whitney.service.lifecycle import (OPERATION_TERMINAL, RUN_OPEN, OperationKind, OperationStatus, RunStatus,
                                        SessionStatus)
 from whitney.service.limits import plan_micro_batches
 from whitney.service.packages import reap
 from whitney.service.queues import Lane, Progress, RunQueue, SampleStream, Scoring, sample_result
-from whitney.service.store import Store, new_id
+from whitney.service.saves import execute
+from whitney.service.store import Store
 
 log = logging.getLogger("whitney.scheduler")
 
@@ -58,6 +60,7 @@ class Scheduler:
         self._streams: dict[str, SampleStream] = {}  # streaming samples' listeners, by operation id
         self._scoring: list[Scoring] = []
         self._calls_made = 0  # engine training calls so far (the fairness clock)
+        self._training_seconds = 0.0  # the last training iteration's time: sampling's share after it
         self._lock = threading.RLock()  # _finalize notifies waiters while holding it
         self._training = Lane("whitney-worker")
         # Sampling and scoring: on the training thread, or on their own when the backend runs them apart.
@@ -205,19 +208,28 @@ class Scheduler:
 
     def _finish(self, operation: dict, result: dict | None = None,
                 error: BaseException | Failure | None = None) -> None:
-        if error is None:
-            self.store.set_operation(operation["id"], OperationStatus.SUCCEEDED, result=result)
-        else:
+        self._finish_all([(operation, result, error)])
+
+    def _finish_all(self, ends: list[tuple[dict, dict | None, BaseException | Failure | None]]) -> None:
+        """Each (operation, result, error) stored, all in one transaction; then waiters and listeners woken."""
+        moves = []
+        for operation, result, error in ends:
+            if error is None:
+                moves.append((operation["id"], OperationStatus.SUCCEEDED, result, None))
+                continue
             failure = error if isinstance(error, Failure) else Failure.of(error)
             if failure.category == "server":
                 log.error("operation %s (%s) failed: %s", operation["id"], operation["kind"], failure.message,
                           exc_info=error if isinstance(error, BaseException) else None)
-            self.store.set_operation(operation["id"], OperationStatus.FAILED, error=failure.to_dict())
-        self._notify(operation["id"])
-        with self._lock:
-            listener = self._streams.pop(operation["id"], None)
-        if listener is not None:
-            listener.end()
+            moves.append((operation["id"], OperationStatus.FAILED, None, failure.to_dict()))
+        if moves:
+            self.store.set_operations(moves)
+        for operation, _, _ in ends:
+            self._notify(operation["id"])
+            with self._lock:
+                listener = self._streams.pop(operation["id"], None)
+            if listener is not None:
+                listener.end()
 
     def _loop(self) -> None:
         """The training thread: calls, lost runs, one training engine call, (sampling and scoring when they
@@ -225,7 +237,8 @@ class Scheduler:
         steps = [self._interrupt_lost_runs, self._run_training]
         if self._sampling is self._training:
             steps += [self._run_sampling, self._run_scoring]
-        self._serve(self._training, [*steps, self._expire_sessions])
+        # Idle runs paged out (the backend's clock check between calls; engine/paging.py), on this thread.
+        self._serve(self._training, [*steps, self._expire_sessions, self.backend.page_out_idle])
 
     def _sampling_loop(self) -> None:
         """The sampling thread of a backend with `separate_sampling`: its calls, decode steps and scoring."""
@@ -306,23 +319,20 @@ class Scheduler:
 
     def _run_training(self) -> bool:
         """One engine call of ready forward/forward_backward work (fairly shared), then every ready
-        operation of the other kinds."""
+        operation of the other kinds. An operation that ended while queued (its run cancelled: the store's
+        RUNNING move refuses it) is skipped, and its run's order moves on."""
         ready = self._ready()
         if not ready:
+            self._training_seconds = 0.0
             return False
-        live = []
-        for queue, op, job in ready:
-            # Cancelled while queued (store says so): skip, but keep the order moving.
-            if queue.progress is None and self.store.get_operation(op["id"])["status"] != OperationStatus.QUEUED:
-                self._advance(op)
-            else:
-                live.append((queue, op, job))
-        batched = [item for item in live if isinstance(item[2], ForwardJob)]
+        start = time.monotonic()
+        batched = [item for item in ready if isinstance(item[2], ForwardJob)]
         if batched:
             self._run_batch(batched)
-        for _, op, job in live:
-            if not isinstance(job, ForwardJob):
-                self._run_single(op, job)
+        singles = [(op, job) for _, op, job in ready if not isinstance(job, ForwardJob)]
+        if singles:
+            self._run_singles(singles)
+        self._training_seconds = time.monotonic() - start
         return True
 
     def _run_batch(self, ready: list[tuple[RunQueue, dict, ForwardJob]]) -> None:
@@ -342,15 +352,20 @@ class Scheduler:
                         and (self._calls_made - q.active_call <= 2 or now - q.active_at <= self.recent_seconds)]
         counts = plan_micro_batches(remaining, self.max_batch_tokens, [q.starved for q, _, _ in items], reserved)
         self._calls_made += 1
+        starting = [op["id"] for (queue, op, _), count in zip(items, counts) if count and queue.progress is None]
+        moved = dict(zip(starting, self.store.set_operations([(i, OperationStatus.RUNNING, None, None)
+                                                              for i in starting]))) if starting else {}
         planned, requests = [], []
         for (queue, op, job), count in zip(items, counts):
             queue.starved = count == 0
             if count == 0:
                 continue
-            queue.served = self._calls_made
             if queue.progress is None:
+                if not moved[op["id"]]:  # ended while queued (cancelled): skipped, the order moves on
+                    self._advance(op)
+                    continue
                 queue.progress = Progress(staged=count < len(job.data))
-                self.store.set_operation(op["id"], OperationStatus.RUNNING)
+            queue.served = self._calls_made
             start = queue.progress.done
             planned.append((queue, op, job, start, start + count))
             requests.append(ForwardRequest(op["run_id"], job.data[start:start + count], job.loss_fn, job.loss_config,
@@ -363,6 +378,7 @@ class Scheduler:
         except BaseException as e:  # a bug: every operation of the batch fails as a server error
             log.exception("run_batch failed")
             results = [Failure.of(e)] * len(requests)
+        ends = []
         for (queue, op, job, start, end), result in zip(planned, results):
             with self._lock:
                 if self._runs.get(op["run_id"]) is not queue:  # cancelled meanwhile: cancel_run answered it
@@ -373,8 +389,7 @@ class Scheduler:
                     self.backend.discard_gradients(op["run_id"], op["id"])
                 if result.datum_index is not None:  # the index within the whole operation
                     result = replace(result, datum_index=result.datum_index + start)
-                self._finish(op, error=result)
-                self._advance(op)
+                ends.append((op, None, result))
                 continue
             progress.parts.append(result)
             progress.done = end
@@ -382,58 +397,58 @@ class Scheduler:
                 continue
             if progress.staged and backward:
                 self.backend.commit_gradients(op["run_id"], op["id"])
-            self._finish(op, result=forward_result_dict(merge_results(progress.parts)))
+            ends.append((op, forward_result_dict(merge_results(progress.parts)), None))
+        self._finish_all(ends)
+        for op, _, _ in ends:
             self._advance(op)
 
-    def _run_single(self, op: dict, job: Job) -> None:
-        self.store.set_operation(op["id"], OperationStatus.RUNNING)
-        if isinstance(job, Refused):
-            self._finish(op, error=job.failure)
-        else:
-            try:
-                result = self._execute(op, job)
-            except BaseException as e:
-                self._finish(op, error=e)
+    def _run_singles(self, items: list[tuple[dict, Job]]) -> None:
+        """Ready operations other than forwards, of different runs: started in one store transaction, every
+        optim_step in one backend call (`optim_steps`), loads and saves one by one, ended in one transaction."""
+        moved = self.store.set_operations([(op["id"], OperationStatus.RUNNING, None, None) for op, _ in items])
+        ends, steps = [], []
+        for (op, job), ok in zip(items, moved):
+            if not ok:  # ended while queued (cancelled): skipped, the order moves on
+                continue
+            if isinstance(job, Refused):
+                ends.append((op, None, job.failure))
+            elif isinstance(job, OptimJob):
+                steps.append((op, job.params))
             else:
-                self._finish(op, result=result)
-        self._advance(op)
-
-    def _execute(self, op: dict, job: OptimJob | LoadJob | SaveJob) -> dict:
-        run_id, kind, backend = op["run_id"], op["kind"], self.backend
-        if isinstance(job, OptimJob):
-            return {"metrics": backend.optim_step(run_id, job.params)}
-        if isinstance(job, LoadJob):
-            backend.load_state(run_id, job.path, with_optimizer=kind == OperationKind.LOAD_STATE_WITH_OPTIMIZER)
-            return {"checkpoint_id": job.checkpoint_id}
-        run = self.store.get_run(run_id)
-        package_id = new_id("pkg")
-        path = str(self.data_dir / "packages" / package_id)
-        if kind == OperationKind.SAVE_STATE:
-            backend.save_state(run_id, path, include_optimizer=job.include_optimizer)
-            package = self.store.register_package(run_id, run["owner"], "state", job.name, path,
-                                                  run["base_model"], job.include_optimizer, package_id)
-        elif kind == OperationKind.SAVE_WEIGHTS:
-            backend.save_weights(run_id, path, merge=job.merge)
-            package = self.store.register_package(run_id, run["owner"], "merged" if job.merge else "weights",
-                                                  job.name, path, run["base_model"], False, package_id)
-        elif kind == OperationKind.EXPORT_LORA:
-            backend.export_lora(run_id, path)
-            package = self.store.register_package(run_id, run["owner"], "lora", job.name, path,
-                                                  run["base_model"], False, package_id)
-        elif kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER:
-            # Also on disk, so the version outlives the run and a restart (and reaches every sampler worker).
-            version = backend.save_weights_for_sampler(run_id, path)
-            package = self.store.register_package(run_id, run["owner"], "sampler", job.name or str(version),
-                                                  path, run["base_model"], False, package_id)
-            return {"version": version, "package": public_package(package)}
-        else:
-            raise InvalidInput(f"unknown operation kind {kind!r}", field="kind")
-        return {"package": public_package(package)}
+                try:
+                    ends.append((op, execute(self.backend, self.store, self.data_dir, op, job), None))
+                except BaseException as e:
+                    ends.append((op, None, e))
+        if steps:
+            try:
+                results = self.backend.optim_steps([(op["run_id"], params) for op, params in steps])
+            except BaseException as e:  # a bug: each of these steps fails as a server error
+                log.exception("optim_steps failed")
+                results = [Failure.of(e)] * len(steps)
+            ends += [(op, None, r) if isinstance(r, Failure) else (op, {"metrics": r}, None)
+                     for (op, _), r in zip(steps, results)]
+        self._finish_all(ends)
+        for op, _ in items:
+            self._advance(op)
 
     def _run_sampling(self) -> bool:
-        """One sampling step of the backend; each request that ended in it is answered."""
+        """Sampling steps of the backend; each request that ended in one is answered. On the training thread,
+        steps until they took as long as the last training iteration (at least one): training and sampling
+        get equal time while both have work, and a sample submitted meanwhile (a call of this lane) joins at
+        the next step rather than waiting for the next training call."""
         if not self._samples:
             return False
+        budget = self._training_seconds if self._sampling is self._training else 0.0
+        start = time.monotonic()
+        while True:
+            self._sample_step()
+            if not self._samples or time.monotonic() - start >= budget:
+                return True
+            self._run_calls(self._sampling)
+
+    def _sample_step(self) -> None:
+        """One sampling step of the backend; the requests that ended in it are answered together."""
+        ends = []
         for request_id, outcome in self.backend.sample_step():
             if isinstance(outcome, SampleProgress):  # a streaming request's new tokens: to its listener
                 with self._lock:
@@ -445,10 +460,10 @@ class Scheduler:
             if op is None:
                 continue
             if isinstance(outcome, Failure):  # this request alone failed (and left its batch); the others go on
-                self._finish(op, error=outcome)
+                ends.append((op, None, outcome))
             else:
-                self._finish(op, result=sample_result(outcome))
-        return True
+                ends.append((op, sample_result(outcome), None))
+        self._finish_all(ends)
 
     def _run_scoring(self) -> bool:
         """Score the next chunk (at most max_batch_tokens tokens) of the compute_logprobs request whose
@@ -459,17 +474,7 @@ class Scheduler:
             job = self._scoring.pop(0)
         if job.done == 0:
             self.store.set_operation(job.operation["id"], OperationStatus.RUNNING)
-        lengths = [len(s) for s in job.sequences[job.done:]]
-        (count,) = plan_micro_batches([lengths], self.max_batch_tokens, [False])
-        try:
-            job.logprobs += self.backend.compute_logprobs(job.sequences[job.done:job.done + count], job.weights)
-        except BaseException as e:
-            error = Failure.of(e)
-            if error.datum_index is not None:
-                error = replace(error, datum_index=error.datum_index + job.done)
-        else:
-            error = None
-            job.done += count
+        error = job.score_chunk(self.backend, self.max_batch_tokens)
         if error is not None:
             self._finish(job.operation, error=error)
         elif job.done == len(job.sequences):

@@ -1,0 +1,29 @@
+"""The process's heap, tuned for a server that allocates and frees the same large tensors every call.
+
+glibc's malloc serves each block above its mmap threshold (at most 32 MB by default) with a fresh mmap and
+returns it with munmap on free, so every [R, V] logits tensor of a training call (50 MB for 256 tokens of
+a 49,152-token vocabulary) is page-faulted in again, page by page, each time: measured 450 ms of a 480 ms
+`torch.empty(1024, 49152).fill_(1)` on a loaded 2-core machine, against 22 ms once the heap keeps freed
+memory for reuse. `keep_freed_memory` raises the mmap threshold and the trim threshold to
+KEPT_BYTES, so freed blocks up to that size stay in the heap for the next call. The cost: up to KEPT_BYTES
+of freed memory stays resident after a peak; `malloc_trim(0)` (Engine.delete_run, paging) still returns
+it at once. Linux with glibc only; elsewhere a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+KEPT_BYTES = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory(kept_bytes: int = KEPT_BYTES) -> bool:
+    """Let the heap keep up to `kept_bytes` of freed memory for reuse; True if glibc took both settings."""
+    if sys.platform != "linux":
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:  # not glibc (musl)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, kept_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, kept_bytes))
