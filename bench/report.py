@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster", "peers",
-         "general"]
+         "general", "tenants", "capacity"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -123,7 +123,31 @@ def absolute(name: str, r: dict) -> str:
             parts.append(f"{kind}: SFT {s['whitney']:.2f} vs PEFT {s['peft']:.2f} s/step; sampling {t['whitney']:.1f} "
                          f"(LoRA {t['whitney_lora']:.1f}) vs HF {t['hf_batch']:.1f} tok/s")
         return "; ".join(parts)
+    if name == "tenants":
+        parts = []
+        for row in r["summary"]:
+            who = f"{row['model']} {row['contender']} ({row['client']})"
+            if "missing" in row:
+                parts.append(f"{who}: not measured ({row['missing'][:200]})")
+                continue
+            parts.append(f"{who}: {row['ops_per_s']:.1f} ops/s, p50 {row['p50_s']:.2f} / p99 {row['p99_s']:.2f} s, "
+                         f"sample p50 {fmt_s(row['sample_p50_s'])} / p99 {fmt_s(row['sample_p99_s'])}, "
+                         f"{row['errors']} errors")
+        return "; ".join(parts)
+    if name == "capacity":
+        s = r["summary"]
+        return (f"{s['runs_reached']} of {s['runs_target']} runs ({s['stopped']}); RSS one run "
+                f"{s['rss_one_run_mib']:.0f} MiB, all paged out {fmt_s(s['rss_after_creation_settled_mib'], 'MiB')}, "
+                f"peak while active {fmt_s(s['rss_peak_active_mib'], 'MiB')}; page-in p50 "
+                f"{fmt_s(s['page_in_p50_ms'], 'ms')}, {fmt_s(s['mib_per_paged_run'], 'MiB')} per paged run; baseline: "
+                f"{s['baseline_runs_reached']} runs ({s['baseline_stopped']}), "
+                f"{s['baseline_rss_per_run_mib']:.0f} MiB per run, RSS {s['baseline_rss_mib']:.0f} MiB")
     return ""
+
+
+def fmt_s(x, unit: str = "s") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f} {unit}" if unit == "s" \
+        else f"{x:.0f} {unit}"
 
 
 def settings(r: dict) -> str:
@@ -327,6 +351,22 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "with the run's own exported adapter loaded trainable (same modules) and `torch.optim.AdamW`; (b) 8 chat "
         "prompts x 32 new tokens at temperature 1 on the base weights against HF `generate` batched with left "
         "padding (and with a LoRA adapter, info). Targets: SFT <= 1.0x, sampling >= 1.0x.",
+        "- **tenants** (`--only tenants`, issue 15): 32 clients, each its own session and rank-8 run, loop "
+        "forward_backward (4 x 64) + optim_step and every 8th step a sampler version and an 8-token sample, for "
+        "90 s after an untimed warm-up step each, on the tiny model and on SmolLM2: against the commit before "
+        "issue 15 (`--baseline REF`, served from `build/baseline-<sha>/`) and this tree, both through the native "
+        "client, one fresh server after the other; and through the official SDK against SkyRL tx and this tree "
+        "on SkyRL's copy of the same model, where SkyRL is set up (one adapter slot per client; stopped and reported "
+        "as not held if its processes pass 14 GiB of RSS). Operations/s = operations done before the "
+        "deadline / 90 s; latency = created_at -> finished_at on the server (and client-observed). Targets "
+        "(current / baseline): operations/s >= 4x, p99 <= 0.25x, zero errors.",
+        "- **capacity** (`--only capacity`, issue 15): SmolLM2, LoRA rank 32, runs created by 4 client threads and "
+        "stepped once (forward_backward 1 x 64 + optim_step) up to 1,000 or until a guard (server RSS 8 GiB, "
+        "available memory 4 GiB, 20 GiB of disk left for the paged files, time budget) stops it; RSS = VmRSS. This "
+        "tree with `--page-idle-seconds 10`: RSS with one run, once all are paged out, and at its peak while 50 "
+        "runs train from 50 clients for 60 s; page-in = a paged-out run's first forward (1 x 16) minus the same "
+        "forward right after. The baseline (no paging): the runs it held and RSS per run. Targets: RSS (50 active) "
+        "<= 2x one run's; page-in p50 <= 100 ms; 1,000 runs; zero errors.",
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"

@@ -7,6 +7,8 @@
 
 Benchmarks: overhead, sharing, memory, sampling, latency, scaling, fairness, soak, cluster, general (see each
 module's docstring), and peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official SDK; needs SkyRL set up).
+Issue 15's tenants and capacity (`--only tenants,capacity`, about 40 minutes) compare this tree with an earlier
+commit served side by side (`--baseline REF`, default the main before issue 15; bench/baseline.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -28,7 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster",
               "general"]
-OPTIONAL = ["peers"]  # needs SkyRL installed (../shared/peers/skyrl/setup.sh): `make bench-peers`
+OPTIONAL = ["peers",  # needs SkyRL installed (../shared/peers/skyrl/setup.sh): `make bench-peers`
+            "tenants", "capacity"]  # against a baseline commit (bench/baseline.py); long: `--only tenants,capacity`
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="Whitney's compute dtype and the baselines' (default: bfloat16 on CPUs with AVX-512 "
                              "BF16, else float32)")
+    parser.add_argument("--baseline", default=None,
+                        help="the commit tenants and capacity compare against (default: bench.baseline.BASELINE_REF)")
     args = parser.parse_args(argv)
     names = [n.strip() for o in args.only for n in o.split(",") if n.strip()] or BENCHMARKS
     unknown = [n for n in names if n not in BENCHMARKS + OPTIONAL]
@@ -59,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         before = machine()
         t = time.perf_counter()
         try:
-            result = importlib.import_module(f"bench.{name}").run(quick=args.quick, dtype=dtype)
+            bench_run = importlib.import_module(f"bench.{name}").run
+            takes_baseline = "baseline" in inspect.signature(bench_run).parameters
+            extra = {"baseline": args.baseline} if args.baseline and takes_baseline else {}
+            result = bench_run(quick=args.quick, dtype=dtype, **extra)
         except Exception as e:  # keep going: one broken benchmark should not hide the others
             import traceback
 
