@@ -5,7 +5,9 @@ They load through the same code path as real models (`load_base_model(path)`).
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -178,3 +180,23 @@ def make_tiny_vision_model(out: Path, kind: str, seed: int = 0) -> Path:
         image_processor.save_pretrained(out)
         tokenizer.save_pretrained(out)
     return out
+
+
+def built_on_first_use(root: Path, make: Callable[[Path, str], Path]) -> Callable[[str], str]:
+    """kind -> the directory of its tiny model under root, built by make(dir, kind) the first time it is asked."""
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(make(root / kind, kind))
+        return made[kind]
+
+    return get
+
+
+_IDS = itertools.count()
+
+
+def unique_id(prefix: str) -> str:
+    """A run id no other test of the session uses."""
+    return f"{prefix}-{next(_IDS)}"

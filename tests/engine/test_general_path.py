@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.models import COMPOSITE_KINDS, GENERAL_KINDS, make_tiny_general_model
+from tests.models import COMPOSITE_KINDS, GENERAL_KINDS, built_on_first_use, make_tiny_general_model, unique_id
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.lora import adaptable_short_names
 from whitney.engine.model import load_base_model
@@ -22,15 +22,7 @@ LORA = LoraConfig(rank=4, alpha=8.0, seed=3)  # every attention and MLP linear, 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    """A tiny random model directory per general-path family, built on first use."""
-    root, made = tmp_path_factory.mktemp("general"), {}
-
-    def get(kind: str) -> str:
-        if kind not in made:
-            made[kind] = str(make_tiny_general_model(root / kind, kind))
-        return made[kind]
-
-    return get
+    return built_on_first_use(tmp_path_factory.mktemp("general"), make_tiny_general_model)
 
 
 @pytest.fixture(params=list(GENERAL_KINDS))
@@ -43,11 +35,7 @@ def engine() -> Engine:
     return Engine(device="cpu", compute_dtype="float32")
 
 
-_COUNTER = iter(range(10**6))
-
-
-def _rid(prefix: str) -> str:
-    return f"{prefix}-{next(_COUNTER)}"
+_rid = unique_id
 
 
 def _sequences(vocab: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.images import draw_image
-from tests.models import VISION_KINDS, make_tiny_vision_model
+from tests.models import VISION_KINDS, built_on_first_use, make_tiny_vision_model, unique_id
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.datum import ImageInput
 from whitney.engine.vision import expander
@@ -20,14 +20,7 @@ VOCAB = 49152  # the SmolLM2 ids; the added image tokens sit above them
 
 @pytest.fixture(scope="module")
 def vision_dirs(tmp_path_factory):
-    root, made = tmp_path_factory.mktemp("vision"), {}
-
-    def get(kind: str) -> str:
-        if kind not in made:
-            made[kind] = str(make_tiny_vision_model(root / kind, kind))
-        return made[kind]
-
-    return get
+    return built_on_first_use(tmp_path_factory.mktemp("vision"), make_tiny_vision_model)
 
 
 @pytest.fixture(params=list(VISION_KINDS))
@@ -40,11 +33,7 @@ def engine() -> Engine:
     return Engine(device="cpu", compute_dtype="float32")
 
 
-_COUNTER = iter(range(10**6))
-
-
-def _rid(prefix: str) -> str:
-    return f"{prefix}-{next(_COUNTER)}"
+_rid = unique_id
 
 
 def _tokens(n: int, seed: int) -> list[int]:

@@ -160,8 +160,16 @@ class FakeBackend:
 def fake(tmp_path, request):
     """The scheduler over the fake: sampling on the training thread, and on its own (`separate_sampling`)."""
     backend = FakeBackend(separate_sampling=request.param)
+    _, scheduler, open_run, submit = scheduler_over(backend, tmp_path, max_batch_tokens=10)
+    scheduler.start()
+    yield backend, scheduler, open_run, submit
+    scheduler.stop()
+
+
+def scheduler_over(backend, tmp_path, max_batch_tokens: int):
+    """A scheduler (not started) over `backend` with a fresh SQLite store; (store, scheduler, open_run, submit)."""
     store = Store(f"sqlite:///{tmp_path / 'f.db'}")
-    scheduler = Scheduler(backend, store, tmp_path, max_batch_tokens=10)
+    scheduler = Scheduler(backend, store, tmp_path, max_batch_tokens=max_batch_tokens)
     session = store.create_session("me")
 
     def open_run(run_id: str) -> None:
@@ -174,9 +182,7 @@ def fake(tmp_path, request):
         scheduler.submit(op, job)
         return op
 
-    scheduler.start()
-    yield backend, scheduler, open_run, submit
-    scheduler.stop()
+    return store, scheduler, open_run, submit
 
 
 def fb(*lengths: int, token: int = 1) -> ForwardJob:

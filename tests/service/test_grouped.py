@@ -12,11 +12,10 @@ from sqlalchemy import event
 from whitney.engine import AdamParams
 from whitney.service.jobs import OptimJob
 from whitney.service.lifecycle import OperationStatus
-from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store, digest
 from whitney.engine.sampler import SamplingParams
 from whitney.engine.backend import Weights
-from tests.service.test_fake_backend import FakeBackend, fb, wait
+from tests.service.test_fake_backend import FakeBackend, fb, scheduler_over, wait
 
 
 def _ops(store: Store, n: int) -> list[dict]:
@@ -72,21 +71,8 @@ class Recording(FakeBackend):
 
 
 def _scheduler(tmp_path, backend: FakeBackend):
-    store = Store(f"sqlite:///{tmp_path / 'g.db'}")
-    scheduler = Scheduler(backend, store, tmp_path, max_batch_tokens=1000)
-    session = store.create_session("me")
+    store, scheduler, open_run, submit = scheduler_over(backend, tmp_path, max_batch_tokens=1000)
     scheduler.start()
-
-    def open_run(run_id: str) -> None:
-        scheduler.open_run({"id": run_id, "base_model": "fake", "lora": {"rank": 4}, "resume_with_optimizer": False},
-                           None).result(timeout=10)
-        store.create_run(session["id"], "me", "fake", {"rank": 4}, None, False, None, run_id=run_id)
-
-    def submit(run_id: str, seq_id: int, kind: str, job) -> dict:
-        op, _ = store.submit_operation("me", run_id, seq_id, kind, digest({"run": run_id, "seq": seq_id}))
-        scheduler.submit(op, job)
-        return op
-
     return store, scheduler, open_run, submit
 
 
