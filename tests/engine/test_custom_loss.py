@@ -199,8 +199,8 @@ def test_engine_gradient_equals_the_sdk_callable_path(engine, tiny_llama, name):
     assert got.loss == pytest.approx(total, rel=1e-5, abs=1e-5)
     ga, gb = engine.get_run(server).grads, engine.get_run(client).grads
     assert set(ga) == set(gb) and ga
-    for k in ga:
-        torch.testing.assert_close(ga[k], gb[k], rtol=1e-4, atol=1e-7, msg=k)
+    for k in ga:  # float32 rounding: the two paths order the unembedding's sums differently (a few ulp at 1)
+        torch.testing.assert_close(ga[k], gb[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 def _full_logprobs(engine: Engine, run_id: str, data: list[Datum]) -> list[torch.Tensor]:

@@ -515,4 +515,5 @@ def test_micro_batches_merge_to_one_pass(tiny_llama):
         p.metrics["tokens:sum"] for p in parts)
     assert abs(tokens_weighted - whole.metrics["opsd_kl"]) > 1e-4  # the counts matter
     for name, g in engine.runs["whole"].grads.items():
-        torch.testing.assert_close(engine.runs["split"].grads[name], g, rtol=1e-5, atol=1e-7)
+        # float32 rounding: the split sums its rows' gradients in another order (a few ulp at 1)
+        torch.testing.assert_close(engine.runs["split"].grads[name], g, rtol=1e-5, atol=1e-6)

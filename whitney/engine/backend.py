@@ -88,10 +88,11 @@ class ModelInfo:
 
 
 def tensor_bytes(obj, seen: set[int] | None = None) -> int:
-    """Bytes of the distinct tensors reachable from `obj` (tensors, dicts, lists, dataclasses, modules)."""
+    """Bytes of the distinct tensors reachable from `obj` (tensors, dicts, lists, dataclasses, modules). oneDNN's
+    prepacked copies (caches built on first use, no plain storage) are not counted."""
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        if obj.data_ptr() in seen or obj.device.type == "meta":
+        if obj.is_mkldnn or obj.device.type == "meta" or obj.data_ptr() in seen:
             return 0
         seen.add(obj.data_ptr())
         return obj.numel() * obj.element_size()

@@ -134,6 +134,8 @@ class BaseModel:
     layer_paths: list[dict[str, str]] = field(default_factory=list)
     # oneDNN-prepacked bfloat16 linear weights for passes without autograd; see transformer.prepacked
     packed: dict | None = None
+    # lm_head in oneDNN's layout for the fused target log-probs (float32 CPU); False where unavailable
+    packed_lm_head: object = None
     # The general path (engine/general.py): the frozen Hugging Face module whose own layers run, and the
     # path of its decoder stack. None on the fast path (llama, qwen2, qwen3), which runs `layers`.
     hf: torch.nn.Module | None = None
@@ -297,40 +299,6 @@ def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torc
         linear_shapes=linear_shapes,
         layer_paths=[{p: module_path(i, p) for p in LAYER_PROJECTIONS} for i in range(config.num_layers)],
     )
-
-
-class _TargetLogprobs(torch.autograd.Function):
-    """lp = logits[target] - logsumexp(logits). Forward keeps only the softmax p [N, V] (not the logits);
-    backward turns it into the gradient in place: grad = onehot(target) * g - p * sum_k g."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        p = logits - logits.amax(-1, keepdim=True)  # [N, V], the one new [N, V] tensor
-        shifted = p.gather(-1, idx)  # [N, K]
-        total = p.exp_().sum(-1, keepdim=True)  # [N, 1]
-        p.div_(total)
-        ctx.save_for_backward(p, idx)
-        return shifted - total.log()
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        if getattr(ctx, "spent", False):  # p became the gradient the first time
-            raise RuntimeError("_TargetLogprobs supports one backward per forward (no retain_graph)")
-        ctx.spent = True
-        p, idx = ctx.saved_tensors
-        return p.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, idx, g), None
-
-
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities of the targets. logits [N, V], targets [N] or [N, K] -> [N] or [N, K], float32.
-
-    Computed as logit - logsumexp with one [N, V] tensor besides the logits: kept for backward, where it
-    becomes the gradient in place.
-    """
-    logits = logits.float()
-    if targets.dim() == 1:
-        return _TargetLogprobs.apply(logits, targets[:, None])[:, 0]
-    return _TargetLogprobs.apply(logits, targets)
 
 
 def full_logprobs(logits: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from whitney.engine import checkpoint as ckpt
 from whitney.engine import vision
@@ -26,17 +25,14 @@ from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec
 from whitney.engine.losses import LOSSES
 from whitney.engine.model import (
     COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, resolve_compute_dtype, resolve_device,
-    target_logprobs,
 )
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step
 from whitney.engine.paging import Pager, release_memory
 from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, check_request
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
 from whitney.engine.transformer import forward_hidden, unembed
+from whitney.engine.unembedding import target_logprobs
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
-
-# Tokens per unembedding chunk: bounds the [tokens, V] logits held at once (recomputed in backward).
-LOGITS_CHUNK = 1024
 
 
 @dataclass
@@ -243,8 +239,8 @@ class Engine:
             outputs, start = [], 0
             for it, tk in zip(items, teacher_kl):
                 n = sum(d.length for d in it.datums)
-                try:  # Logits are recomputed in backward only when the batch's tokens exceed one chunk.
-                    outputs.append(self._loss(base, it, flat[start:start + n], tk, flat.shape[0] > LOGITS_CHUNK))
+                try:
+                    outputs.append(self._loss(base, it, flat[start:start + n], tk))
                 except WhitneyError as e:  # a loss refusing its values only now (a custom graph): it alone fails
                     outputs.append(e)
                 start += n
@@ -253,12 +249,12 @@ class Engine:
                 self._accumulate([it for it, _ in ran], [o for _, o in ran])
         return [o if isinstance(o, WhitneyError) else self._result(it, o) for it, o in zip(items, outputs)]
 
-    def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl, recompute: bool) -> LossOutput:
+    def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl) -> LossOutput:
         """Apply the request's loss to its hidden rows h [N, D] (all its datums, concatenated, moved here from
         the CPU, where they were validated, to the device), with the inputs loss_table.py's contract names."""
         dev = base.device
         targets = torch.cat([d.inputs["target_tokens"] for d in it.datums]).to(dev)  # [N] or [N, K]
-        lp = _chunked_target_logprobs(base, h, targets, it.adapter, recompute)  # [N] or [N, K]
+        lp = target_logprobs(base, h, targets, it.adapter)  # [N] or [N, K], logits never all at once
         per_position = [k for k in it.datums[0].inputs if it.spec.inputs[k].rows == "N"]
         inputs = {k: torch.cat([d.inputs[k] for d in it.datums]).to(dev) for k in per_position}
         inputs.update({k: torch.stack([d.inputs[k] for d in it.datums]).to(dev)  # [B]: one value per datum
@@ -460,23 +456,3 @@ def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
         acc[name] += g
     else:
         acc[name] = g
-
-
-def _chunked_target_logprobs(base: BaseModel, h: torch.Tensor, targets: torch.Tensor,
-                             adapter: Adapter | None, recompute: bool = True) -> torch.Tensor:
-    """Target log-probs for hidden rows h [N, D], targets [N] or [N, K] -> [N] or [N, K].
-
-    Unembeds LOGITS_CHUNK rows at a time; under autograd each chunk's logits are recomputed in
-    backward rather than kept, so at most one [chunk, V] tensor is alive. recompute=False keeps the
-    logits instead (the caller's whole batch fits in one chunk).
-    """
-
-    def chunk(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
-        return target_logprobs(unembed(base, hc, RowGroups([(0, hc.shape[0], adapter)])), tc)
-
-    recompute = recompute and torch.is_grad_enabled()
-    parts = []
-    for s in range(0, h.shape[0], LOGITS_CHUNK):
-        hc, tc = h[s:s + LOGITS_CHUNK], targets[s:s + LOGITS_CHUNK]
-        parts.append(checkpoint(chunk, hc, tc, use_reentrant=False) if recompute else chunk(hc, tc))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -91,7 +91,7 @@ class Quotas:
         """
         limits = self.limits(owner)
         if limits.max_queued_operations and (run_id is None or not self.store.queued_after(run_id, seq_id)):
-            held = self.store.usage(owner)["operations"]
+            held = self.store.pending_operations(owner)
             if held + 1 > limits.max_queued_operations:
                 raise QuotaExceeded(f"this key may have {limits.max_queued_operations} operations queued or "
                                     f"running and has {held}; wait for some to finish",

@@ -383,9 +383,14 @@ class Store:
                 SessionRow.owner == owner, SessionRow.status == SessionStatus.ACTIVE))
             runs = db.execute(select(RunRow.base_model, RunRow.lora).where(
                 RunRow.owner == owner, RunRow.status.in_(RUN_LIVE))).all()
-            operations = db.scalar(select(func.count()).select_from(OperationRow).where(
+        return {"sessions": sessions, "runs": [(b, lora) for b, lora in runs],
+                "operations": self.pending_operations(owner)}
+
+    def pending_operations(self, owner: str) -> int:
+        """How many of an owner's operations are queued or running (usage's "operations", alone)."""
+        with self.tx() as db:
+            return db.scalar(select(func.count()).select_from(OperationRow).where(
                 OperationRow.owner == owner, OperationRow.status.in_(OPERATION_PENDING)))
-            return {"sessions": sessions, "runs": [(b, lora) for b, lora in runs], "operations": operations}
 
     def queued_after(self, run_id: str, seq_id: int) -> bool:
         """Whether a later seq_id of the run is queued already (it waits for this one)."""

@@ -1,0 +1,85 @@
+"""The fused unembedding + target log-probs (engine/unembedding.py) against float64 written here:
+values and gradients in h, A and B, over several row blocks, [N] and [N, K] targets, with and without an
+lm_head adapter, float32 and bfloat16 bases, with rows of zero gradient among the others."""
+
+import pytest
+import torch
+
+from whitney.engine import unembedding
+from whitney.engine.lora import LoraConfig, init_adapter
+from whitney.engine.model import UNEMBED, load_base_model
+
+
+@pytest.fixture(scope="module")
+def bases(tiny_llama):
+    return {dt: load_base_model(tiny_llama, compute_dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+
+
+def _adapter(base, seed: int, unembed: bool):
+    adapter = init_adapter(base, LoraConfig(rank=4, alpha=8.0, seed=seed, train_unembed=unembed))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # B = 0 at init would leave B's path untested
+        for b in adapter.B.values():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    return adapter
+
+
+def _reference(base, h, targets, adapter):
+    """float64: logits = h W^T + scale (h A^T) B^T, log_softmax, gather."""
+    w = base.lm_head.double()
+    h64 = h.detach().double().requires_grad_(True)
+    params = {}
+    logits = h64 @ w.T
+    if adapter is not None and UNEMBED in adapter.A:
+        params = {k: getattr(adapter, k)[UNEMBED].detach().double().requires_grad_(True) for k in ("A", "B")}
+        logits = logits + adapter.scale * (h64 @ params["A"].T) @ params["B"].T
+    idx = targets if targets.dim() == 2 else targets[:, None]
+    lp = torch.log_softmax(logits, -1).gather(-1, idx).reshape(targets.shape)
+    return lp, h64, params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unembed", [True, False, None])  # None: the base model alone
+@pytest.mark.parametrize("k", [0, 3])  # 0: targets [N]; 3: [N, 3] with repeated candidates
+def test_value_and_gradients_match_float64(bases, dtype, unembed, k):
+    base = bases[dtype]
+    n = 2 * unembedding.ROW_BLOCK_CPU + 7  # three blocks, the last partial
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(n, base.config.hidden_size, generator=g) * 2).to(dtype).requires_grad_(True)
+    v = base.config.vocab_size
+    targets = torch.randint(0, v, (n, k) if k else (n,), generator=g)
+    if k:
+        targets[:, 1] = targets[:, 0]  # the same candidate twice: its gradient counts twice
+    adapter = None if unembed is None else _adapter(base, 3, unembed)
+    weights = torch.randn(targets.shape, generator=g)
+    weights[::3] = 0  # rows without gradient (weight-0 prompt tokens) skip the backward pass
+
+    lp = unembedding.target_logprobs(base, h, targets, adapter)
+    assert lp.shape == targets.shape and lp.dtype == torch.float32
+    params = [h] + ([adapter.A[UNEMBED], adapter.B[UNEMBED]] if unembed else [])
+    grads = torch.autograd.grad((lp * weights).sum(), params)
+
+    lp64, h64, p64 = _reference(base, h, targets, adapter)
+    refs = torch.autograd.grad((lp64 * weights.double()).sum(), [h64] + list(p64.values()))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lp.double(), lp64.detach(), **tol)
+    for got, want in zip(grads, refs):
+        assert got.dtype == (dtype if got.shape == h.shape else torch.float32)
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_no_gradient_pass_and_a_second_backward(bases):
+    """Under no_grad it only scores; with retain_graph a second backward gives the same gradient (nothing
+    saved is overwritten)."""
+    base = bases[torch.float32]
+    adapter = _adapter(base, 5, True)
+    h = torch.randn(40, base.config.hidden_size).requires_grad_(True)
+    targets = torch.randint(0, base.config.vocab_size, (40,))
+    with torch.no_grad():
+        scored = unembedding.target_logprobs(base, h, targets, adapter)
+    lp = unembedding.target_logprobs(base, h, targets, adapter)
+    assert torch.equal(scored, lp.detach())
+    first = torch.autograd.grad(lp.sum(), [h, adapter.B[UNEMBED]], retain_graph=True)
+    second = torch.autograd.grad(lp.sum(), [h, adapter.B[UNEMBED]])
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
