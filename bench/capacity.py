@@ -4,7 +4,7 @@ SmolLM2 (the embedded default), LoRA rank 32, each run stepped once: forward_bac
 optim_step, created by several client threads at once. The server's memory is VmRSS of its process
 (/proc/PID/status), read every second.
 
-  current    `whitney serve --page-idle-seconds P`: first one run is stepped, and its RSS is the
+  current    `whitney serve --page-idle-seconds P --max-resident-runs 6`: first one run is stepped, and its RSS is the
              one-run server's; then runs are created up to the target (1,000; --quick 40). The creation
              stops early, with the reason recorded, if the server's RSS passes 8 GiB, the machine's
              available memory falls under 4 GiB, the paged files would leave less than 20 GiB of disk
@@ -14,7 +14,9 @@ optim_step, created by several client threads at once. The server's memory is Vm
                          forward again right after: the server-stamped latency of the first minus the
                          second is the page-in (the first operation of a paged-out run pays it);
                active    50 runs (paged out before) loop forward_backward + optim_step from 50 clients
-                         for a while: the RSS's peak over that time against the one-run server's.
+                         for a while: the RSS's peak over that time against the one-run server's. The
+                         budget of 6 resident runs is what holds it (50 runs' state is 50 x 130 MiB): the
+                         engine takes the 50 runs' work 6 runs at a time, paging the rest.
              Page-out/in seconds per run: from the server's metrics when it exposes them (any
              /metrics series with "page" in its name), and bytes per paged run from <data dir>/paged.
   baseline   the commit before issue 15 (no paging): runs created the same way until the same guards
@@ -37,6 +39,7 @@ from bench.baseline import BASELINE_REF, checkout, start_server
 from bench.common import median, percentile, sft_batch
 
 RANK = 32
+MAX_RESIDENT = 6  # the current server's residency budget: 1 + 5 runs over a one-run server (~5 x 130 MiB)
 RSS_GUARD_KIB = 8 * 2**20  # stop creating runs when the server's RSS passes 8 GiB (the machine has 24)
 AVAILABLE_GUARD_KIB = 4 * 2**20  # ... or the machine's available memory falls under 4 GiB
 DISK_RESERVE = 20 * 2**30  # ... or the disk would have less than 20 GiB free
@@ -253,7 +256,8 @@ def measure(tree: Path | None, dtype: str, target: int, threads: int, create_s: 
     batch, probe = sft_batch(1, 64, seed=1), sft_batch(1, 16, seed=2)
     # One key creates every run: its default quota (256 live runs) would stop the bench, not the server.
     args = ["--dtype", dtype, "--max-runs-per-key", "0"] + (
-        ["--page-idle-seconds", str(page_idle)] if page_idle is not None else [])
+        ["--page-idle-seconds", str(page_idle), "--max-resident-runs", str(MAX_RESIDENT)] if page_idle is not None
+        else [])
     errors: list[str] = []
     clients: list = []
     out: dict = {}
@@ -344,7 +348,8 @@ def run(quick: bool = False, dtype: str = "float32", baseline: str = BASELINE_RE
         "benchmark": "capacity",
         "settings": {"model": "SmolLM2-135M-Instruct", "rank": RANK, "step": "forward_backward 1 x 64 + optim_step",
                      "runs_target": target, "creating_threads": threads, "create_budget_s": create_s,
-                     "page_idle_seconds": page_idle, "page_in_probes": n_probe, "active_runs": n_active,
+                     "page_idle_seconds": page_idle, "max_resident_runs": MAX_RESIDENT, "page_in_probes": n_probe,
+                     "active_runs": n_active,
                      "active_s": active_s, "baseline_ref": baseline, "baseline_commit": sha, "dtype": dtype},
         "summary": summary, "current": current, "baseline": base,
         "checks": [

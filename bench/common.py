@@ -120,6 +120,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerExited(RuntimeError):
+    """The server process ended while the benchmark still needed it."""
+
+
 @dataclass
 class Server:
     """`whitney serve` in its own process (as deployed): its URL, pid, and how to stop it."""
@@ -134,7 +138,12 @@ class Server:
         return self.proc.pid
 
     def status(self) -> dict[str, int]:
-        """VmHWM (peak RSS) and VmRSS of the server process, in KiB."""
+        """VmHWM (peak RSS) and VmRSS of the server process, in KiB; ServerExited once it has ended (an ended
+        process's status has neither)."""
+        if self.proc.poll() is not None:
+            raise ServerExited(f"the server (pid {self.pid}) exited with code {self.proc.returncode}"
+                               + ("" if os.environ.get("WHITNEY_BENCH_SERVER_LOG") else
+                                  "; set WHITNEY_BENCH_SERVER_LOG=<file> to keep its log"))
         out = {}
         with open(f"/proc/{self.pid}/status") as f:
             for line in f:

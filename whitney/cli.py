@@ -117,6 +117,9 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="page a run untouched for S seconds out to <data-dir>/paged (adapter, optimizer "
                             "state, gradients, sampler versions) and free its memory; its next operation reads it "
                             "back first, bitwise as it was (default: never)")
+    serve.add_argument("--max-resident-runs", type=_count, default=default.max_resident_runs, metavar="N",
+                       help="keep at most N runs' state in memory: one more coming in pages out the least "
+                            "recently used first, as an idle one (default: no budget)")
 
 
 def engine_config(args):
@@ -124,7 +127,7 @@ def engine_config(args):
 
     return EngineConfig(max_lora_rank=args.max_lora_rank, device=args.device, compute_dtype=args.dtype,
                         max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens,
-                        page_idle_seconds=args.page_idle_seconds)
+                        page_idle_seconds=args.page_idle_seconds, max_resident_runs=args.max_resident_runs)
 
 
 def _seconds(text: str) -> float:
@@ -136,6 +139,13 @@ def _seconds(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    """An integer >= 1 (argparse reports the rule on anything else)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
 
 
 # ---- where the engine runs ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig
 from whitney.engine.backend import EngineConfig
+from whitney.engine.optim import AdamParams
 from whitney.engine.paging import remove_leftovers
 from whitney.engine.sampler import SamplingParams
 from whitney.errors import Conflict, InvalidInput, NotFound
@@ -325,3 +326,66 @@ def test_paged_out_and_deleted_runs_give_their_memory_back(tiny_llama, tmp_path)
     for i in range(8):
         engine.delete_run(f"r{i}")
     assert back - _rss() > 0.8 * held, "deleted runs' memory returned"
+
+
+def _resident(engine: Engine) -> set[str]:
+    return {r for r in engine.runs if r not in engine.pager.paged}
+
+
+def test_a_residency_budget_keeps_n_runs_in_memory_with_the_same_numbers(tiny_llama, tmp_path):
+    """Five runs trained together, one engine call for all of them each step, under a budget of 2: never
+    more than 2 runs in memory (checked at every page-in and creation), the least recently used pushed out,
+    and every loss, metric and tensor bitwise those of an engine without a budget."""
+    kept = Engine()
+    budget = Engine(max_resident_runs=2, paging_dir=str(tmp_path))
+    most = []
+    page_in = budget.pager.page_in
+
+    def checked_page_in(run):
+        page_in(run)
+        most.append(len(_resident(budget)))
+
+    budget.pager.page_in = checked_page_in
+    ids = [f"r{i}" for i in range(5)]
+    for engine in (kept, budget):
+        for i, run_id in enumerate(ids):
+            engine.create_run(run_id, tiny_llama, LoraConfig(rank=4, alpha=8.0, seed=i))
+            assert engine is kept or len(_resident(engine)) <= 2
+    assert _counts(budget) == {"in_memory": 2, "paged_out": 3}
+    params = AdamParams(learning_rate=0.05, weight_decay=0.01)
+    for step in range(2):
+        requests = [ForwardRequest(run_id, _data(3 * step + i)) for i, run_id in enumerate(ids)]
+        results = [e.run_batch(requests, backward=True) for e in (kept, budget)]
+        assert [(r.loss, r.metrics) for r in results[0]] == [(r.loss, r.metrics) for r in results[1]]
+        assert _resident(budget) == {"r3", "r4"}, "parts of 2, 2 and 1 runs: r2 pushed out for r4"
+        metrics = [e.optim_steps([(run_id, params) for run_id in ids]) for e in (kept, budget)]
+        assert metrics[0] == metrics[1] and all(isinstance(m, dict) for m in metrics[1])
+    assert most and max(most) <= 2, most
+    for run_id in ids:
+        _assert_same_state(kept, budget, run_id)
+    assert any(float(b.detach().abs().max()) > 0 for b in budget.get_run("r0").adapter.B.values())
+
+
+def test_the_budget_spares_runs_being_sampled_and_refuses_nothing(tiny_llama, tmp_path):
+    engine = Engine(max_resident_runs=1, paging_dir=str(tmp_path))
+    engine.create_run("sampled", tiny_llama, LORA)
+    version = engine.save_weights_for_sampler("sampled")
+    request = engine.submit_sample([1, 2, 3], SamplingParams(max_tokens=4, seed=1, stop=()), run_id="sampled",
+                                   version=version)
+    engine.create_run("other", tiny_llama, LORA)
+    assert _resident(engine) == {"sampled", "other"}, "over budget while its version is sampled"
+    while not request.done:
+        engine.sample_step()
+    engine.create_run("third", tiny_llama, LORA)
+    assert _resident(engine) == {"third"}, "both pushed out once the request ended"
+    engine.forward_backward("sampled", _data(0))
+    assert _resident(engine) == {"sampled"}
+
+
+def test_max_resident_runs_must_be_a_positive_integer(tmp_path):
+    for bad in (0, -1, 2.0, "3", True):
+        with pytest.raises(InvalidInput) as e:
+            Engine(max_resident_runs=bad, paging_dir=str(tmp_path))
+        assert e.value.field == "max_resident_runs" and ">= 1" in e.value.message
+    config = InProcessBackend.start(EngineConfig(max_resident_runs=3, paging_dir=str(tmp_path)), []).config
+    assert config.max_resident_runs == 3 and config.page_idle_seconds is None

@@ -45,15 +45,16 @@ def _train(server, paged: bool) -> list:
     step(lambda: run.compute_logprobs([prompt + [5, 6, 7]], version=1).result())
     step(lambda: sorted(run.save_state("s").result()["package"]))
     run.cancel()
-    until(lambda: _runs(http) == {"in_memory": 0, "paged_out": 0, "page_idle_seconds": IDLE if paged else None},
-          30, "the cancelled run's state gone")
+    until(lambda: _runs(http) == {"in_memory": 0, "paged_out": 0, "page_idle_seconds": IDLE if paged else None,
+                                  "max_resident_runs": None}, 30, "the cancelled run's state gone")
     assert not list((server.config.data_dir / "paged").glob("engine-*/run-*")), "its page file removed"
     return out
 
 
 def test_a_paging_server_gives_the_numbers_of_one_that_never_pages(make_server, tmp_path):
     reference = make_server(data_dir=tmp_path / "reference")
-    assert _runs(reference.http()) == {"in_memory": 0, "paged_out": 0, "page_idle_seconds": None}
+    assert _runs(reference.http()) == {"in_memory": 0, "paged_out": 0, "page_idle_seconds": None,
+                                       "max_resident_runs": None}
     paging = make_server(data_dir=tmp_path / "paging", engine=EngineConfig(page_idle_seconds=IDLE))
     assert paging.engine.pager.root == tmp_path / "paging" / "paged", "pages go to the data dir"
     expected = _train(reference, paged=False)
@@ -67,7 +68,7 @@ def test_a_run_in_use_is_not_paged_out(make_server, tmp_path):
     server = make_server(engine=EngineConfig(page_idle_seconds=5.0))
     http = server.http()
     run = Client(server.url).create_session().create_run(**LORA, seed=3)
-    assert _runs(http) == {"in_memory": 1, "paged_out": 0, "page_idle_seconds": 5.0}
+    assert _runs(http) == {"in_memory": 1, "paged_out": 0, "page_idle_seconds": 5.0, "max_resident_runs": None}
     for _ in range(7):  # 7 s of use, never 5 s apart
         run.forward_backward(sft_batch()).result()
         assert _runs(http)["paged_out"] == 0
@@ -75,11 +76,37 @@ def test_a_run_in_use_is_not_paged_out(make_server, tmp_path):
     until(lambda: _runs(http)["paged_out"] == 1, 30, "paged out once idle")
 
 
-def test_page_idle_seconds_flag():
+def test_a_budget_server_holds_n_runs_in_memory_with_the_numbers_of_one_without(make_server, tmp_path):
+    """Three clients' runs trained in turns on a server that keeps one run in memory: each turn pages the
+    previous run out and this one in, and every number equals a server without a budget."""
+
+    def train(server) -> list:
+        http = server.http()
+        runs = [Client(server.url).create_session().create_run(**LORA, seed=3 + i) for i in range(3)]
+        out = []
+        for _ in range(2):
+            for run in runs:
+                out.append(run.forward_backward(sft_batch()).result()["loss"])
+                out.append(run.optim_step(learning_rate=1e-2).result()["metrics"])
+                if server.engine.pager.max_resident is not None:
+                    assert _runs(http)["in_memory"] == 1 and _runs(http)["paged_out"] == 2
+        return out
+
+    budget = make_server(data_dir=tmp_path / "budget", engine=EngineConfig(max_resident_runs=1))
+    assert _runs(budget.http())["max_resident_runs"] == 1
+    assert train(budget) == train(make_server(data_dir=tmp_path / "reference"))
+    assert value(scrape(budget.http()), "whitney_page_ins_total") >= 6
+
+
+def test_paging_flags():
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config(parser.parse_args([])).page_idle_seconds is None
+    default = engine_config(parser.parse_args([]))
+    assert default.page_idle_seconds is None and default.max_resident_runs is None
     assert engine_config(parser.parse_args(["--page-idle-seconds", "30"])).page_idle_seconds == 30.0
-    for bad in ("-1", "nan", "inf", "soon"):
+    assert engine_config(parser.parse_args(["--max-resident-runs", "50"])).max_resident_runs == 50
+    for flag, bad in (("--page-idle-seconds", "-1"), ("--page-idle-seconds", "nan"), ("--page-idle-seconds", "inf"),
+                      ("--page-idle-seconds", "soon"), ("--max-resident-runs", "0"), ("--max-resident-runs", "-2"),
+                      ("--max-resident-runs", "1.5"), ("--max-resident-runs", "many")):
         with pytest.raises(SystemExit):
-            parser.parse_args(["--page-idle-seconds", bad])
+            parser.parse_args([flag, bad])

@@ -51,7 +51,7 @@ from whitney.engine.allocator import keep_freed_memory
 from whitney.engine.config import EngineConfig
 from whitney.engine.lora import LoraConfig, adaptable_short_names, lora_numel, validate_lora_config
 from whitney.engine.model import COMPUTE_DTYPES, BaseModel
-from whitney.engine.optim import AdamParams, optim_steps
+from whitney.engine.optim import AdamParams
 from whitney.engine.requests import ForwardRequest, ForwardResult
 from whitney.engine.runs import Engine
 from whitney.engine.sampler import SampleProgress, SampleRequest, SampleResult, SamplingParams
@@ -223,7 +223,8 @@ class InProcessBackend(chat.TextMethods):
         engine = Engine(max_lora_rank=config.max_lora_rank, compute_dtype=config.compute_dtype,
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
                         max_prefill_tokens=config.max_prefill_tokens, device=config.device,
-                        page_idle_seconds=config.page_idle_seconds, paging_dir=config.paging_dir)
+                        page_idle_seconds=config.page_idle_seconds, max_resident_runs=config.max_resident_runs,
+                        paging_dir=config.paging_dir)
         backend = cls(engine)
         for name in models:
             backend.load_model(name)
@@ -236,7 +237,7 @@ class InProcessBackend(chat.TextMethods):
         return EngineConfig(max_lora_rank=e.max_lora_rank, device=str(e.device), compute_dtype=e.compute_dtype_name,
                             max_sequences=e.max_sequences, max_cached_tokens=e.max_cached_tokens,
                             max_prefill_tokens=e.max_prefill_tokens, page_idle_seconds=e.pager.idle_seconds,
-                            paging_dir=str(e.pager.root))
+                            max_resident_runs=e.pager.max_resident, paging_dir=str(e.pager.root))
 
     def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
         """Load a base model (once) and describe it; `alias` names the same model a second way."""
@@ -284,28 +285,7 @@ class InProcessBackend(chat.TextMethods):
         return self.engine.optim_step(run_id, params)
 
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Failure]:
-        """The runs' optim_steps (each run at most once) in one multi-tensor pass (`optim.optim_steps`), each
-        bitwise the run's own; a refused one (unknown run, bad parameters) gets its Failure alone."""
-        out: list = [None] * len(steps)
-        batch, where, seen = [], [], set()
-        for i, (run_id, params) in enumerate(steps):
-            try:
-                if type(self.engine).optim_step is not Engine.optim_step:  # its own step (sharded: broadcasts first)
-                    out[i] = self.engine.optim_step(run_id, params)
-                    continue
-                if run_id in seen:
-                    raise Conflict(f"run {run_id!r} has two optim_steps in one call", field="run_id")
-                run = self.engine.get_run(run_id)  # pages the run in (paging.py)
-                params.validate()
-            except BaseException as e:
-                out[i] = Failure.of(e)
-                continue
-            seen.add(run_id)
-            batch.append((run.weights(), run.grads, run.optimizer, params))
-            where.append(i)
-        for i, metrics in zip(where, optim_steps(batch)):
-            out[i] = metrics
-        return out
+        return [Failure.of(r) if isinstance(r, BaseException) else r for r in self.engine.optim_steps(steps)]
 
     def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None:
         self.engine.save_state(run_id, path, include_optimizer)

@@ -19,4 +19,7 @@ class EngineConfig:
     # and read back at its next use; None: never. The files go to an engine's own directory under paging_dir
     # (the service: <data_dir>/paged; None: the system's temporary directory).
     page_idle_seconds: float | None = None
+    # At most this many runs hold their state in memory; one more coming in pushes out the least recently used
+    # (to paging_dir, as an idle one). None: no budget.
+    max_resident_runs: int | None = None
     paging_dir: str | None = None

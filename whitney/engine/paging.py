@@ -24,6 +24,13 @@ Who pages out: the scheduler's worker thread, the one that owns the engine, call
 between engine calls (through `Backend.page_out_idle`); it is a clock comparison when nothing is due.
 A run with sampling requests in flight on its versions stays (a request holds its adapter).
 
+A residency budget (`EngineConfig.max_resident_runs`) bounds memory whatever the clock says: a run coming
+into memory (created, or paged in for its next use) when that many are already there first pushes out the
+least recently used one that the engine call in progress does not need (`Pager.pinned`) and no sampling
+request holds. An engine call over more runs than the budget runs them a budget's worth at a time
+(`Engine.run_batch`, `Engine.optim_steps`). Where every run in memory is needed or held, the run comes in
+anyway: the budget is exceeded for as long as that lasts, never a request refused.
+
 Files live only as long as their process: each engine writes into a directory of its own
 (`engine-<host>-<pid>-<random>`), removed by `close()`; directories of processes of the same host that
 died are removed by the next engine that starts paging on the same `paging_dir`.
@@ -31,6 +38,7 @@ died are removed by the next engine that starts paging on the same `paging_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -76,6 +84,13 @@ def release_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def check_max_resident_runs(value: int | None) -> None:
+    """None (no budget) or an integer >= 1."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidInput(f"max_resident_runs must be an integer >= 1 (or unset: no budget), got {value!r}",
+                           field="max_resident_runs")
+
+
 def check_page_idle_seconds(value: float | None) -> None:
     """None (never page out) or a finite number of seconds >= 0."""
     if value is None:
@@ -117,9 +132,14 @@ class PagedRun:
 class Pager:
     """Which runs are paged out, where, and when each run was last used. One per Engine, on its thread."""
 
-    def __init__(self, idle_seconds: float | None, directory: str | None):
+    def __init__(self, runs: dict[str, "Run"], idle_seconds: float | None, directory: str | None,
+                 max_resident: int | None = None):
         check_page_idle_seconds(idle_seconds)
+        check_max_resident_runs(max_resident)
+        self.runs = runs  # the engine's own dict: every live run, in memory or out
         self.idle_seconds = idle_seconds
+        self.max_resident = max_resident
+        self.pinned: set[str] = set()  # runs the engine call in progress uses: the budget never pushes them out
         self.root = Path(directory) if directory else Path(tempfile.gettempdir()) / "whitney-paged"
         self.last_used: dict[str, float] = {}  # run id -> time.monotonic() of its last use
         self.paged: dict[str, PagedRun] = {}
@@ -132,16 +152,73 @@ class Pager:
 
     # ---- bookkeeping -----------------------------------------------------------------------
 
+    @property
+    def enabled(self) -> bool:
+        return self.idle_seconds is not None or self.max_resident is not None
+
     def touch(self, run: "Run") -> None:
-        """A use of the run: page it back in if it is out, and note the time."""
+        """A use of the run: page it back in if it is out (making room first, under a budget), note the time."""
+        coming_in = run.run_id in self.paged or run.run_id not in self.last_used  # paged out, or new
+        if coming_in and self.max_resident is not None:
+            self.make_room(run.run_id)
         if run.run_id in self.paged:
             self.page_in(run)
         self.last_used[run.run_id] = time.monotonic()
 
+    def make_room(self, coming: str) -> int:
+        """Under the budget, page out the least recently used runs in memory until `coming` fits, sparing the
+        pinned and held ones; how many went (the budget is exceeded where none can go)."""
+        resident = [r for r in self.last_used if r not in self.paged and r != coming]
+        excess = len(resident) + 1 - self.max_resident
+        if excess <= 0:
+            return 0
+        self._drop_ended_holds(time.monotonic())
+        spared = self.pinned | {r for r, _ in self.holds}
+        victims = sorted((r for r in resident if r not in spared), key=self.last_used.__getitem__)[:excess]
+        paged = 0
+        for run_id in victims:
+            try:
+                self.page_out(self.runs[run_id])
+                paged += 1
+            except OSError as e:  # the disk is full or unwritable: the run stays, over budget
+                log.warning("could not page out run %s: %s", run_id, e)
+                break
+        if paged:
+            release_memory()
+        return paged
+
+    @contextlib.contextmanager
+    def pinning(self, run_ids: set[str]):
+        """While inside, the budget pushes none of these runs out (one engine call's runs)."""
+        self.pinned = set(run_ids)
+        try:
+            yield
+        finally:
+            self.pinned = set()
+
+    def budget_parts(self, run_ids: list[str | None]) -> list[list[int]]:
+        """Indices of `run_ids` (one per request; None: no run) cut into parts of at most max_resident distinct
+        runs each, runs in order of first appearance, every index of a run in the same part; [all] when there
+        is no budget or it is not exceeded."""
+        distinct = list(dict.fromkeys(r for r in run_ids if r is not None))
+        if self.max_resident is None or len(distinct) <= self.max_resident:
+            return [list(range(len(run_ids)))] if run_ids else []
+        part_of = {r: k // self.max_resident for k, r in enumerate(distinct)}
+        parts: list[list[int]] = [[] for _ in range(-(-len(distinct) // self.max_resident))]
+        for i, r in enumerate(run_ids):
+            parts[part_of[r] if r is not None else 0].append(i)
+        return parts
+
     def hold(self, run_id: str, request: SampleRequest) -> None:
         """A sampling request on one of the run's versions: the run stays in memory until it ends."""
-        if self.idle_seconds is not None:
+        if self.enabled:
             self.holds.append((run_id, request))
+
+    def _drop_ended_holds(self, now: float) -> None:
+        for run_id, request in self.holds:
+            if request.done and run_id in self.last_used:  # a request's end is its run's last use
+                self.last_used[run_id] = now
+        self.holds = [(r, q) for r, q in self.holds if not q.done]
 
     def forget(self, run_id: str) -> None:
         """The run is gone: its file too."""
@@ -150,24 +227,21 @@ class Pager:
         if paged is not None:
             paged.path.unlink(missing_ok=True)
 
-    def page_out_idle(self, runs: dict[str, "Run"]) -> int:
+    def page_out_idle(self) -> int:
         """Page out the runs untouched for idle_seconds, except those with sampling requests in flight; how
         many. A clock comparison when paging is off or no sweep is due (one every min(1 s, idle_seconds / 2))."""
         now = time.monotonic()
         if self.idle_seconds is None or now < self._next_sweep:
             return 0
         self._next_sweep = now + min(1.0, self.idle_seconds / 2)
-        for run_id, request in self.holds:
-            if request.done and run_id in self.last_used:  # a request's end is its run's last use
-                self.last_used[run_id] = now
-        self.holds = [(r, q) for r, q in self.holds if not q.done]
+        self._drop_ended_holds(now)
         held = {r for r, _ in self.holds}
         cutoff = now - self.idle_seconds
         idle = [r for r, t in self.last_used.items() if t <= cutoff and r not in self.paged and r not in held]
         paged = 0
         for run_id in idle:
             try:
-                self.page_out(runs[run_id])
+                self.page_out(self.runs[run_id])
                 paged += 1
             except OSError as e:  # the disk is full or unwritable: runs stay in memory; try again in a minute
                 log.warning("could not page out run %s: %s", run_id, e)

@@ -26,7 +26,7 @@ from whitney.engine.losses import LOSSES
 from whitney.engine.model import (
     COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, resolve_compute_dtype, resolve_device,
 )
-from whitney.engine.optim import AdamParams, OptimizerState, optim_step
+from whitney.engine.optim import AdamParams, OptimizerState, optim_step, optim_steps
 from whitney.engine.paging import Pager, release_memory
 from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, check_request
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
@@ -82,6 +82,7 @@ class Engine:
                  max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
                  device: str | torch.device = EngineConfig.device,
                  page_idle_seconds: float | None = EngineConfig.page_idle_seconds,
+                 max_resident_runs: int | None = EngineConfig.max_resident_runs,
                  paging_dir: str | None = EngineConfig.paging_dir):
         self.max_lora_rank = max_lora_rank
         self.device = resolve_device(device)  # "auto" resolved: cpu or cuda:N
@@ -93,7 +94,7 @@ class Engine:
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self._checkpoint_adapters: dict[str, Adapter] = {}
-        self.pager = Pager(page_idle_seconds, paging_dir)  # idle runs to disk and back (paging.py)
+        self.pager = Pager(self.runs, page_idle_seconds, paging_dir, max_resident_runs)  # runs to disk and back
 
     @property
     def compute_dtype_name(self) -> str:
@@ -137,7 +138,7 @@ class Engine:
 
     def page_out_idle(self) -> int:
         """Page out the runs untouched for `page_idle_seconds` (paging.py); how many."""
-        return self.pager.page_out_idle(self.runs)
+        return self.pager.page_out_idle()
 
     def residency(self) -> dict[str, float]:
         """Runs in memory and paged out; page-outs and page-ins so far and their seconds (any thread)."""
@@ -175,8 +176,18 @@ class Engine:
     def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | WhitneyError]:
         """Run several requests (of any runs) together. Invalid requests get their error; the rest run.
 
-        The results of each request equal running it alone.
+        The results of each request equal running it alone. Under a residency budget (paging.py) the runs go a
+        budget's worth at a time, each part with its runs pinned in memory.
         """
+        out: list[ForwardResult | WhitneyError | None] = [None] * len(requests)
+        for part in self.pager.budget_parts([r.run_id for r in requests]):
+            with self.pager.pinning({requests[i].run_id for i in part} - {None}):
+                results = self._run_batch([requests[i] for i in part], backward)
+            for i, result in zip(part, results):
+                out[i] = result
+        return out  # type: ignore[return-value]
+
+    def _run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | WhitneyError]:
         out: list[ForwardResult | WhitneyError | None] = [None] * len(requests)
         by_base: dict[str, list[tuple[int, _Prepared]]] = {}
         for i, request in enumerate(requests):
@@ -320,6 +331,35 @@ class Engine:
         hp = params if isinstance(params, AdamParams) else AdamParams.from_dict(params or {})
         hp.validate()
         return optim_step(run.weights(), run.grads, run.optimizer, hp)
+
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Exception]:
+        """The runs' optim_steps (each run at most once) in one multi-tensor pass (`optim.optim_steps`), each
+        bitwise the run's own (a budget's worth of runs at a time under a residency budget); a refused one
+        (unknown run, bad parameters) gets its error alone."""
+        out: list = [None] * len(steps)
+        own_step = type(self).optim_step is not Engine.optim_step  # a subclass's own (sharded: broadcasts first)
+        for part in self.pager.budget_parts([run_id for run_id, _ in steps]):
+            batch, where, seen = [], [], set()
+            with self.pager.pinning({steps[i][0] for i in part}):
+                for i in part:
+                    run_id, params = steps[i]
+                    try:
+                        if own_step:
+                            out[i] = self.optim_step(run_id, params)
+                            continue
+                        if run_id in seen:
+                            raise Conflict(f"run {run_id!r} has two optim_steps in one call", field="run_id")
+                        run = self.get_run(run_id)  # pages the run in (paging.py)
+                        params.validate()
+                    except Exception as e:
+                        out[i] = e
+                        continue
+                    seen.add(run_id)
+                    batch.append((run.weights(), run.grads, run.optimizer, params))
+                    where.append(i)
+                for i, metrics in zip(where, optim_steps(batch)):
+                    out[i] = metrics
+        return out
 
     # ---- log-probs of given sequences ----------------------------------------------------
 

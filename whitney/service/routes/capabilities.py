@@ -43,8 +43,10 @@ def capabilities(st: State) -> dict:
         },
         "features": {"gradient_scale_v1": True, "lora_plus": True, "soft_targets": True, "opsd": True,
                      "image_asset_pointers": bool(st.limits.image_dirs)},
-        # Live runs in memory and paged out to disk (idle for page_idle_seconds; None: never paged).
-        "runs": {**_residency(st), "page_idle_seconds": config.page_idle_seconds},
+        # Live runs in memory and paged out to disk (idle for page_idle_seconds, or pushed out by the budget of
+        # max_resident_runs; None: never).
+        "runs": {**_residency(st), "page_idle_seconds": config.page_idle_seconds,
+                 "max_resident_runs": config.max_resident_runs},
     }
 
 
