@@ -1,6 +1,7 @@
 """The fused unembedding + target log-probs (engine/unembedding.py) against float64 written here:
 values and gradients in h, A and B, over several row blocks, [N] and [N, K] targets, with and without an
-lm_head adapter, float32 and bfloat16 bases, with rows of zero gradient among the others."""
+lm_head adapter, float32 and bfloat16 bases, with rows of zero gradient among the others, and with the
+gradient known ahead (a linear loss's: taken in the forward pass) or not."""
 
 import pytest
 import torch
@@ -41,7 +42,8 @@ def _reference(base, h, targets, adapter):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("unembed", [True, False, None])  # None: the base model alone
 @pytest.mark.parametrize("k", [0, 3])  # 0: targets [N]; 3: [N, 3] with repeated candidates
-def test_value_and_gradients_match_float64(bases, dtype, unembed, k):
+@pytest.mark.parametrize("known", [False, True])  # the gradient given ahead (taken in forward) or not
+def test_value_and_gradients_match_float64(bases, dtype, unembed, k, known, monkeypatch):
     base = bases[dtype]
     n = 2 * unembedding.ROW_BLOCK_CPU + 7  # three blocks, the last partial
     g = torch.Generator().manual_seed(1)
@@ -54,10 +56,15 @@ def test_value_and_gradients_match_float64(bases, dtype, unembed, k):
     weights = torch.randn(targets.shape, generator=g)
     weights[::3] = 0  # rows without gradient (weight-0 prompt tokens) skip the backward pass
 
-    lp = unembedding.target_logprobs(base, h, targets, adapter)
+    blocks = _count_logit_blocks(monkeypatch)
+    lp = unembedding.target_logprobs(base, h, targets, adapter, weights if known else None)
     assert lp.shape == targets.shape and lp.dtype == torch.float32
+    assert len(blocks) == 3
     params = [h] + ([adapter.A[UNEMBED], adapter.B[UNEMBED]] if unembed else [])
     grads = torch.autograd.grad((lp * weights).sum(), params)
+    live = int((weights != 0).reshape(n, -1).any(-1).sum())  # backward recomputes these rows' blocks only
+    recomputed = -(-live // unembedding.ROW_BLOCK_CPU)
+    assert len(blocks) == 3 + (0 if known else recomputed), "a known gradient needs no second pass"
 
     lp64, h64, p64 = _reference(base, h, targets, adapter)
     refs = torch.autograd.grad((lp64 * weights.double()).sum(), [h64] + list(p64.values()))
@@ -83,3 +90,39 @@ def test_no_gradient_pass_and_a_second_backward(bases):
     second = torch.autograd.grad(lp.sum(), [h, adapter.B[UNEMBED]])
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def _count_logit_blocks(monkeypatch) -> list:
+    """Every block of logits computed from now on (the GEMM over the vocabulary), one entry each."""
+    calls, logits = [], unembedding._Unembedding.logits
+
+    def counted(self, h, u):
+        calls.append(h.shape[0])
+        return logits(self, h, u)
+
+    monkeypatch.setattr(unembedding._Unembedding, "logits", counted)
+    return calls
+
+
+def test_a_gradient_other_than_the_known_one_is_recomputed(bases, monkeypatch):
+    """The known gradient is a promise the loss makes; if backward gets another one, it recomputes: the
+    gradients are those of the gradient actually sent, and a second backward (retain_graph) recomputes too."""
+    base = bases[torch.float32]
+    adapter = _adapter(base, 6, True)
+    n = unembedding.ROW_BLOCK_CPU + 5
+    h = torch.randn(n, base.config.hidden_size).requires_grad_(True)
+    targets = torch.randint(0, base.config.vocab_size, (n,))
+    weights = torch.randn(n)
+    blocks = _count_logit_blocks(monkeypatch)
+    lp = unembedding.target_logprobs(base, h, targets, adapter, weights)
+    params = [h, adapter.A[UNEMBED], adapter.B[UNEMBED]]
+    other = torch.autograd.grad((lp * 2 * weights).sum(), params, retain_graph=True)
+    assert len(blocks) == 4, "2 blocks forward, 2 recomputed for the other gradient"
+    taken = torch.autograd.grad((lp * weights).sum(), params, retain_graph=True)
+    again = torch.autograd.grad((lp * weights).sum(), params)
+    assert len(blocks) == 4 + 2, "the known gradient taken once, without a pass; the second backward recomputes"
+    lp64, h64, p64 = _reference(base, h, targets, adapter)
+    for scale, grads in ((2, other), (1, taken), (1, again)):
+        refs = torch.autograd.grad((lp64 * scale * weights.double()).sum(), [h64, *p64.values()], retain_graph=True)
+        for got, want in zip(grads, refs):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

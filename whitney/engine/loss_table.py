@@ -77,6 +77,10 @@ class LossSpec:
     teacher: str | None = None
     tinker_defaults: dict[str, float] = field(default_factory=dict)
     bind: Callable[[dict], tuple[LossSpec, dict]] | None = None
+    # dL/dlp for a loss linear in the log-probs (the same whatever their values: cross-entropy's is -weights),
+    # from the inputs and config alone; the unembedding then takes the gradient in its forward pass
+    # (unembedding.target_logprobs; a gradient that turns out different is recomputed, so this is speed only).
+    gradient: Callable[[dict[str, torch.Tensor], dict], torch.Tensor] | None = None
 
     def configure(self, raw: dict) -> tuple[LossSpec, dict]:
         """The entry a request's loss_config makes of this one (itself, unless `bind` specialises it) and

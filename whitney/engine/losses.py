@@ -231,7 +231,8 @@ _GSPO_INPUTS = {**_RL_INPUTS, "sequence_ratio_mask": FieldSpec("float")}
 LOSSES: dict[str, LossSpec] = {spec.name: spec for spec in (
     LossSpec("cross_entropy", cross_entropy,
              {"target_tokens": FieldSpec("token", allow_2d=True),
-              "weights": FieldSpec("float", allow_2d=True, default=1.0)}, frozenset({"target_tokens"})),
+              "weights": FieldSpec("float", allow_2d=True, default=1.0)}, frozenset({"target_tokens"}),
+             gradient=lambda inputs, config: -inputs["weights"]),
     LossSpec("importance_sampling", importance_sampling, _RL_INPUTS, _RL_REQUIRED),
     LossSpec("ppo", ppo, _RL_INPUTS, _RL_REQUIRED, _PPO_PARAMS, _epsilon_bounds("ppo")),
     # Tinker's cispo clips to its absolute 0.8 / 1.2 unless told otherwise; the native default is eps_max.

@@ -265,7 +265,6 @@ class Engine:
         the CPU, where they were validated, to the device), with the inputs loss_table.py's contract names."""
         dev = base.device
         targets = torch.cat([d.inputs["target_tokens"] for d in it.datums]).to(dev)  # [N] or [N, K]
-        lp = target_logprobs(base, h, targets, it.adapter)  # [N] or [N, K], logits never all at once
         per_position = [k for k in it.datums[0].inputs if it.spec.inputs[k].rows == "N"]
         inputs = {k: torch.cat([d.inputs[k] for d in it.datums]).to(dev) for k in per_position}
         inputs.update({k: torch.stack([d.inputs[k] for d in it.datums]).to(dev)  # [B]: one value per datum
@@ -279,6 +278,9 @@ class Engine:
             inputs["kl_index"] = pos
             inputs["student_kl"] = full_logprobs(unembed(base, h[pos], RowGroups([(0, len(pos), it.adapter)])))
             inputs["teacher_kl"] = torch.cat(teacher_kl)  # [P, V]
+        # A loss linear in the log-probs knows its gradient now: the unembedding takes it in the same pass.
+        known = it.spec.gradient(inputs, it.config) if it.spec.gradient and torch.is_grad_enabled() else None
+        lp = target_logprobs(base, h, targets, it.adapter, known)  # [N] or [N, K], logits never all at once
         return it.spec.fn(lp, inputs, it.config)
 
     def _teacher_logprobs(self, base: BaseModel, items: list[_Prepared]) -> list[list[torch.Tensor] | None]:

@@ -13,6 +13,8 @@ no backward). The one-hot part of the gradient is a gather, never a [N, V] scatt
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
@@ -23,68 +25,112 @@ ROW_BLOCK_CPU = 32  # measured on a 2-core CPU, vocab 49,152: 16-64 within 10%, 
 ROW_BLOCK_DEVICE = 1024  # an accelerator wants few, large launches ([1024, V] float32 blocks, as before)
 
 
-def target_logprobs(base: BaseModel, h: torch.Tensor, targets: torch.Tensor,
-                    adapter: Adapter | None) -> torch.Tensor:
+def target_logprobs(base: BaseModel, h: torch.Tensor, targets: torch.Tensor, adapter: Adapter | None,
+                    grad: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probs of the targets under the unembedding (+ the adapter's, if it adapts lm_head).
 
     h [N, D] hidden rows (after the final norm); targets [N] or [N, K] -> [N] or [N, K] float32.
     Differentiable in h and in the adapter's lm_head A and B.
+
+    grad (shaped like the result): the gradient the caller's loss will send back, where it is known before
+    the log-probs are (a loss linear in them: cross-entropy's is -weights). Forward then takes the gradient's
+    products from each block's logits while they are in cache, and backward returns them if the gradient it
+    gets is exactly `grad` (else it recomputes, as without): one GEMM and one softmax pass fewer per block.
     """
     h = h.to(base.compute_dtype)
     idx = targets[:, None] if targets.dim() == 1 else targets  # [N, K]
+    known = None if grad is None else (grad[:, None] if grad.dim() == 1 else grad).float()  # [N, K]
     if adapter is not None and UNEMBED in adapter.A:
         a, b = adapter.A[UNEMBED], adapter.B[UNEMBED]  # [r, D], [V, r]
         u = (h.float() @ a.float().T) * adapter.scale  # [N, r] float32
-        lp = _FusedTargetLogprobs.apply(h, u, b, idx, base)
+        lp = _FusedTargetLogprobs.apply(h, u, b, idx, base, known)
     else:
-        lp = _FusedTargetLogprobs.apply(h, None, None, idx, base)
+        lp = _FusedTargetLogprobs.apply(h, None, None, idx, base, known)
     return lp[:, 0] if targets.dim() == 1 else lp
 
 
 class _FusedTargetLogprobs(torch.autograd.Function):
-    """(h [N, D], u [N, r] | None, B [V, r] | None, idx [N, K], base) -> lp [N, K] float32."""
+    """(h [N, D], u [N, r] | None, B [V, r] | None, idx [N, K], base, known [N, K] | None) -> lp [N, K]."""
 
     @staticmethod
-    def forward(ctx, h, u, b, idx, base):
+    def forward(ctx, h, u, b, idx, base, known):
         lm = _Unembedding(base, b)
         out = torch.empty(idx.shape, dtype=torch.float32, device=h.device)
+        gradient = _Gradient(lm, h, u, idx, known) if known is not None and any(ctx.needs_input_grad[:3]) else None
         for s, e in _blocks(h):
-            z = lm.logits(h[s:e], None if u is None else u[s:e])  # [R, V] float32
-            out[s:e] = torch.log_softmax(z, -1).gather(-1, idx[s:e])
+            logp = torch.log_softmax(lm.logits(h[s:e], None if u is None else u[s:e]), -1)  # [R, V] float32
+            out[s:e] = logp.gather(-1, idx[s:e])
+            if gradient is not None:
+                gradient.add_block(s, e, logp.exp_())  # the block's softmax, in place
         ctx.save_for_backward(h, u, b, idx)
         ctx.base = base
+        ctx.known = None if gradient is None else (known, gradient)
         return out
 
     @staticmethod
     def backward(ctx, g):  # g [N, K]
         h, u, b, idx = ctx.saved_tensors
+        if ctx.known is not None and torch.equal(g, ctx.known[0]):
+            gradient, ctx.known = ctx.known[1], None  # taken once; a second backward recomputes
+            return (*gradient.result(h, b), None, None, None)
         lm = _Unembedding(ctx.base, b)
-        w = ctx.base.lm_head
-        dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        du = None if u is None else torch.zeros_like(u)
-        db_t = None if b is None else torch.zeros(b.shape[1], b.shape[0], dtype=torch.float32, device=b.device)
         # Rows whose every g is 0 (prompt tokens of weight 0, above all) have no gradient: skipped.
         rows = (g != 0).any(-1).nonzero()[:, 0]  # [M]
-        if rows.numel() < h.shape[0]:
-            h, g, idx, u = h[rows], g[rows], idx[rows], None if u is None else u[rows]
-        c = g.sum(-1, keepdim=True)  # [M, 1]: the softmax part of each row's gradient is -c * p
-        # The one-hot part: dh = sum_k g[k] W[t_k], du = sum_k g[k] B[t_k], dB[t_k] += g[k] u.
-        dh_m = torch.einsum("mk,mkd->md", g, w[idx].float())  # [M, D] float32
-        du_m = None
-        if b is not None:
-            du_m = torch.einsum("mk,mkr->mr", g, b[idx].float())  # [M, r]
-            db_t.T.index_add_(0, idx.reshape(-1), (g[..., None] * u[:, None, :]).reshape(-1, u.shape[1]))
-        for s, e in _blocks(h):
-            p = torch.softmax(lm.logits(h[s:e], None if u is None else u[s:e]), -1)  # [R, V] float32
-            neg_c = -c[s:e]
-            dh_m[s:e] += neg_c * (p.to(w.dtype) @ w).float()  # rows scaled after the product: no [R, V] pass
-            if b is not None:
-                du_m[s:e] += neg_c * (p @ lm.b_t.T)
-                db_t.addmm_((neg_c * u[s:e]).T, p)  # [r, R] @ [R, V]: the wide product (see lora._delta)
-        dh[rows] = dh_m
-        if du is not None:
-            du[rows] = du_m
-        return (dh.to(h.dtype), du, None if b is None else db_t.T.contiguous().to(b.dtype), None, None)
+        every = rows.numel() == h.shape[0]
+        hm, um, idxm, gm = ((h, u, idx, g) if every else
+                            (h[rows], None if u is None else u[rows], idx[rows], g[rows]))
+        gradient = _Gradient(lm, hm, um, idxm, gm)
+        for s, e in _blocks(hm):
+            gradient.add_block(s, e, torch.softmax(lm.logits(hm[s:e], None if um is None else um[s:e]), -1))
+        return (*gradient.result(h, b, None if every else rows), None, None, None)
+
+
+class _Gradient:
+    """The gradients in h, u and B of rows h [M, D] for an incoming g [M, K], built from each block's softmax:
+
+        dz[m] = onehot(t[m]) . g[m] - p[m] * c[m],   c = sum_k g[m, k]
+        dh = dz W,   du = dz B,   dB^T = u^T dz
+
+    The one-hot part is gathered at once (never a [M, V] scatter); `add_block` adds the softmax part of rows
+    s:e from their softmax p [R, V], skipping rows with c = 0."""
+
+    def __init__(self, lm: "_Unembedding", h: torch.Tensor, u: torch.Tensor | None, idx: torch.Tensor,
+                 g: torch.Tensor):
+        w = lm.base.lm_head
+        self.lm, self.u, self.w = lm, u, w
+        self.neg_c = -g.sum(-1, keepdim=True)  # [M, 1]
+        self.live = (self.neg_c[:, 0] != 0).nonzero()[:, 0].tolist() if h.shape[0] else []  # rows with c != 0
+        self.dh = torch.einsum("mk,mkd->md", g, w[idx].float())  # [M, D] float32
+        self.du = self.db_t = None
+        if u is not None:
+            b = lm.b_t.T  # [V, r]
+            self.du = torch.einsum("mk,mkr->mr", g, b[idx])  # [M, r]
+            self.db_t = torch.zeros(lm.b_t.shape, dtype=torch.float32, device=u.device)  # [r, V]
+            self.db_t.T.index_add_(0, idx.reshape(-1), (g[..., None] * u[:, None, :]).reshape(-1, u.shape[1]))
+
+    def add_block(self, s: int, e: int, p: torch.Tensor) -> None:
+        lo, hi = bisect.bisect_left(self.live, s), bisect.bisect_left(self.live, e)
+        if lo == hi:
+            return
+        if hi - lo < e - s:
+            rows = torch.tensor(self.live[lo:hi], device=p.device)
+            p = p.index_select(0, rows - s)
+        else:
+            rows = slice(s, e)
+        neg_c = self.neg_c[rows]
+        self.dh[rows] += neg_c * (p.to(self.w.dtype) @ self.w).float()  # rows scaled after the product
+        if self.u is not None:
+            self.du[rows] += neg_c * (p @ self.lm.b_t.T)
+            self.db_t.addmm_((neg_c * self.u[rows]).T, p)  # [r, R] @ [R, V]: the wide product (see lora._delta)
+
+    def result(self, h: torch.Tensor, b: torch.Tensor | None, rows: torch.Tensor | None = None):
+        """(dh [N, D] in h's dtype, du [N, r], dB [V, r]) for all N rows (rows: where the M rows go)."""
+        dh, du = self.dh, self.du
+        if rows is not None:
+            dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device).index_copy_(0, rows, dh)
+            du = None if du is None else torch.zeros(h.shape[0], du.shape[1], dtype=torch.float32,
+                                                     device=du.device).index_copy_(0, rows, du)
+        return dh.to(h.dtype), du, None if b is None else self.db_t.T.contiguous().to(b.dtype)
 
 
 class _Unembedding:
