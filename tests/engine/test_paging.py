@@ -222,12 +222,17 @@ def test_only_idle_runs_are_paged_and_validate_never_pages_in(tiny_llama, tmp_pa
     assert _counts(engine) == {"in_memory": 2, "paged_out": 0}
 
 
+def _sampled_run(engine: Engine, run_id: str, model: str):
+    """A new run with a sampling request in flight on its first version; the request."""
+    engine.create_run(run_id, model, LORA)
+    version = engine.save_weights_for_sampler(run_id)
+    return engine.submit_sample([1, 2, 3], SamplingParams(max_tokens=4, seed=1, stop=()), run_id=run_id,
+                                version=version)
+
+
 def test_a_run_sampled_from_stays_in_memory_until_its_request_ends(tiny_llama, tmp_path):
     engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
-    engine.create_run("r", tiny_llama, LORA)
-    version = engine.save_weights_for_sampler("r")
-    request = engine.submit_sample([1, 2, 3], SamplingParams(max_tokens=4, seed=1, stop=()), run_id="r",
-                                   version=version)
+    request = _sampled_run(engine, "r", tiny_llama)
     engine.pager._next_sweep = 0.0
     assert engine.page_out_idle() == 0 and _counts(engine)["paged_out"] == 0, "its version is being sampled"
     while not request.done:
@@ -368,10 +373,7 @@ def test_a_residency_budget_keeps_n_runs_in_memory_with_the_same_numbers(tiny_ll
 
 def test_the_budget_spares_runs_being_sampled_and_refuses_nothing(tiny_llama, tmp_path):
     engine = Engine(max_resident_runs=1, paging_dir=str(tmp_path))
-    engine.create_run("sampled", tiny_llama, LORA)
-    version = engine.save_weights_for_sampler("sampled")
-    request = engine.submit_sample([1, 2, 3], SamplingParams(max_tokens=4, seed=1, stop=()), run_id="sampled",
-                                   version=version)
+    request = _sampled_run(engine, "sampled", tiny_llama)
     engine.create_run("other", tiny_llama, LORA)
     assert _resident(engine) == {"sampled", "other"}, "over budget while its version is sampled"
     while not request.done:
