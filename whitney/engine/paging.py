@@ -175,16 +175,7 @@ class Pager:
         self._drop_ended_holds(time.monotonic())
         spared = self.pinned | {r for r, _ in self.holds}
         victims = sorted((r for r in resident if r not in spared), key=self.last_used.__getitem__)[:excess]
-        paged = 0
-        for run_id in victims:
-            try:
-                self.page_out(self.runs[run_id])
-                paged += 1
-            except OSError as e:  # the disk is full or unwritable: the run stays, over budget
-                log.warning("could not page out run %s: %s", run_id, e)
-                break
-        if paged:
-            release_memory()
+        paged, _ = self._page_out_each(victims)  # one that cannot be written stays, over budget
         return paged
 
     @contextlib.contextmanager
@@ -238,18 +229,25 @@ class Pager:
         held = {r for r, _ in self.holds}
         cutoff = now - self.idle_seconds
         idle = [r for r, t in self.last_used.items() if t <= cutoff and r not in self.paged and r not in held]
+        paged, failed = self._page_out_each(idle)
+        if failed:  # runs stay in memory; try again in a minute
+            self._next_sweep = now + 60.0
+        return paged
+
+    def _page_out_each(self, run_ids: list[str]) -> tuple[int, bool]:
+        """Page these runs out in order, then give the memory back; (how many went, whether one could not be
+        written: the disk is full or unwritable, and the rest stay in memory)."""
         paged = 0
-        for run_id in idle:
+        for run_id in run_ids:
             try:
                 self.page_out(self.runs[run_id])
                 paged += 1
-            except OSError as e:  # the disk is full or unwritable: runs stay in memory; try again in a minute
+            except OSError as e:
                 log.warning("could not page out run %s: %s", run_id, e)
-                self._next_sweep = now + 60.0
                 break
         if paged:
             release_memory()
-        return paged
+        return paged, paged < len(run_ids)
 
     def residency(self, runs: int) -> dict[str, float]:
         """Runs in memory and paged out, of `runs`, and page-outs and page-ins so far with their total

@@ -5,7 +5,9 @@ CPU's cache), and backward recomputes each block's logits instead of keeping the
 a narrow model, moving logits through memory, not arithmetic, is what an unembedding costs on a CPU. Per
 block, forward is one GEMM (+ the thin LoRA product) and one log-softmax; backward one GEMM, one softmax
 and the products with W and B, over the rows with a nonzero gradient only (prompt tokens of weight 0 cost
-no backward). The one-hot part of the gradient is a gather, never a [N, V] scatter.
+no backward). The one-hot part of the gradient is a gather, never a [N, V] scatter. Where the caller knows
+the gradient before the log-probs (a loss linear in them), forward takes it from the same blocks and
+backward has nothing to recompute.
 
     lp[n, k] = z[n, t[n, k]] - logsumexp(z[n]),   z = h W^T + u B^T,   u = scale * h A^T
     dz[n]    = onehot(t[n]) . g[n] - softmax(z[n]) * sum_k g[n, k]
@@ -56,7 +58,7 @@ class _FusedTargetLogprobs(torch.autograd.Function):
     def forward(ctx, h, u, b, idx, base, known):
         lm = _Unembedding(base, b)
         out = torch.empty(idx.shape, dtype=torch.float32, device=h.device)
-        gradient = _Gradient(lm, h, u, idx, known) if known is not None and any(ctx.needs_input_grad[:3]) else None
+        gradient = _Gradient(lm, u, idx, known) if known is not None and any(ctx.needs_input_grad[:3]) else None
         for s, e in _blocks(h):
             logp = torch.log_softmax(lm.logits(h[s:e], None if u is None else u[s:e]), -1)  # [R, V] float32
             out[s:e] = logp.gather(-1, idx[s:e])
@@ -79,14 +81,15 @@ class _FusedTargetLogprobs(torch.autograd.Function):
         every = rows.numel() == h.shape[0]
         hm, um, idxm, gm = ((h, u, idx, g) if every else
                             (h[rows], None if u is None else u[rows], idx[rows], g[rows]))
-        gradient = _Gradient(lm, hm, um, idxm, gm)
+        gradient = _Gradient(lm, um, idxm, gm)
         for s, e in _blocks(hm):
             gradient.add_block(s, e, torch.softmax(lm.logits(hm[s:e], None if um is None else um[s:e]), -1))
         return (*gradient.result(h, b, None if every else rows), None, None, None)
 
 
 class _Gradient:
-    """The gradients in h, u and B of rows h [M, D] for an incoming g [M, K], built from each block's softmax:
+    """The gradients in h, u and B of M rows (u [M, r], targets idx [M, K]) for an incoming g [M, K], built
+    from each block's softmax:
 
         dz[m] = onehot(t[m]) . g[m] - p[m] * c[m],   c = sum_k g[m, k]
         dh = dz W,   du = dz B,   dB^T = u^T dz
@@ -94,12 +97,11 @@ class _Gradient:
     The one-hot part is gathered at once (never a [M, V] scatter); `add_block` adds the softmax part of rows
     s:e from their softmax p [R, V], skipping rows with c = 0."""
 
-    def __init__(self, lm: "_Unembedding", h: torch.Tensor, u: torch.Tensor | None, idx: torch.Tensor,
-                 g: torch.Tensor):
+    def __init__(self, lm: "_Unembedding", u: torch.Tensor | None, idx: torch.Tensor, g: torch.Tensor):
         w = lm.base.lm_head
         self.lm, self.u, self.w = lm, u, w
         self.neg_c = -g.sum(-1, keepdim=True)  # [M, 1]
-        self.live = (self.neg_c[:, 0] != 0).nonzero()[:, 0].tolist() if h.shape[0] else []  # rows with c != 0
+        self.live = (self.neg_c[:, 0] != 0).nonzero()[:, 0].tolist()  # rows with c != 0, ascending
         self.dh = torch.einsum("mk,mkd->md", g, w[idx].float())  # [M, D] float32
         self.du = self.db_t = None
         if u is not None:
