@@ -7,8 +7,10 @@
    the suite checks against float64 references and Hugging Face), the CUDA forward equals Hugging Face's,
    checkpoints move between devices, bfloat16 is the CUDA default and the CPU-only tricks stay off.
 2. SFT (forward_backward + optim_step) tokens/s and sampling tokens/s of `--model` (default the embedded
-   SmolLM2-135M) in bfloat16 and float32, with peak CUDA memory; printed as a Markdown table and written
-   to bench/results/gpu_check.json (or $OUT/gpu_check.json when $OUT is set).
+   SmolLM2-135M) in bfloat16 and float32, with peak CUDA memory, and the many-tenant round: 32 runs'
+   forward_backward in one engine call then their optim_steps, against one run doing the same tokens;
+   printed as a Markdown table and written to bench/results/gpu_check.json (or $OUT/gpu_check.json when
+   $OUT is set).
 
 Exits 2 with a message saying why when torch sees no CUDA device, 1 when a test fails.
 """
@@ -100,6 +102,47 @@ def bench_sampling(engine, model: str, requests: int, prompt: int, max_tokens: i
             "single_ms_per_token": 1000 * single / len(one.sequences[0].tokens)}
 
 
+def bench_runs(engine, model: str, runs: int, rows: int, length: int, rounds: int) -> dict:
+    """The many-tenant round: `runs` runs (rank 8) each with `rows` datums of `length` tokens, their
+    forward_backward in one Engine.run_batch and their optim_steps in one call; against one run doing the
+    same runs * rows datums the same way. Returns tokens/s of both and their ratio."""
+    import torch
+
+    from whitney.engine import Datum, ForwardRequest, LoraConfig
+    from whitney.engine.optim import AdamParams
+
+    vocab = engine.models[model].config.vocab_size
+
+    def datums(seed: int, n: int) -> list:
+        return [Datum([(97 * i + 31 * j + seed) % vocab for j in range(length)],
+                      {"target_tokens": [(97 * i + 31 * (j + 1) + seed) % vocab for j in range(length)]})
+                for i in range(n)]
+
+    def timed(requests: list) -> float:
+        ids = [(r.run_id, AdamParams()) for r in requests]
+        for _ in range(2):  # warm-up
+            engine.run_batch(requests, True)
+            engine.optim_steps(ids)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            failed = [r for r in engine.run_batch(requests, True) if isinstance(r, Exception)]
+            assert not failed, failed
+            engine.optim_steps(ids)
+        torch.cuda.synchronize()
+        return rounds * runs * rows * length / (time.perf_counter() - start)
+
+    for i in range(runs):
+        engine.create_run(f"t{i}", model, LoraConfig(rank=8, seed=i))
+    many = timed([ForwardRequest(f"t{i}", datums(i, rows)) for i in range(runs)])
+    for i in range(runs):
+        engine.delete_run(f"t{i}")
+    engine.create_run("one", model, LoraConfig(rank=8, seed=0))
+    one = timed([ForwardRequest("one", datums(0, runs * rows))])
+    engine.delete_run("one")
+    return {"runs": runs, "tokens_per_s": many, "one_run_tokens_per_s": one, "ratio": many / one}
+
+
 def run_bench(model: str, device: str, quick: bool) -> dict:
     import torch
 
@@ -113,7 +156,8 @@ def run_bench(model: str, device: str, quick: bool) -> dict:
         sft = bench_sft(engine, model, batch=8, length=128 if quick else 512, steps=3 if quick else 10)
         sampling = bench_sampling(engine, model, requests=8 if quick else 64, prompt=32,
                                   max_tokens=16 if quick else 128)
-        results["rows"][dtype] = {"sft": sft, "sampling": sampling}
+        tenants = bench_runs(engine, model, runs=32, rows=4, length=64 if quick else 128, rounds=2 if quick else 5)
+        results["rows"][dtype] = {"sft": sft, "sampling": sampling, "tenants": tenants}
         del engine
         torch.cuda.empty_cache()
     return results
@@ -121,12 +165,13 @@ def run_bench(model: str, device: str, quick: bool) -> dict:
 
 def table(results: dict) -> str:
     lines = [f"GPU check on {results['gpu']} ({results['device']}, torch {results['torch']}), model {results['model']}",
-             "", "| dtype | SFT tokens/s | SFT step ms | peak GiB | sampling tokens/s (batch) | ms/token (1 request) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "", "| dtype | SFT tokens/s | SFT step ms | peak GiB | sampling tokens/s (batch) | ms/token (1 request) "
+             "| 32 runs' round tokens/s (vs one run) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for dtype, row in results["rows"].items():
-        s, p = row["sft"], row["sampling"]
+        s, p, t = row["sft"], row["sampling"], row["tenants"]
         lines.append(f"| {dtype} | {s['tokens_per_s']:.0f} | {s['step_ms']:.1f} | {s['peak_gib']:.2f} | "
-                     f"{p['batch_tokens_per_s']:.0f} ({p['requests']} requests) | {p['single_ms_per_token']:.2f} |")
+                     f"{p['batch_tokens_per_s']:.0f} ({p['requests']} requests) | {p['single_ms_per_token']:.2f} | "
+                     f"{t['tokens_per_s']:.0f} ({t['ratio']:.2f}x) |")
     return "\n".join(lines)
 
 

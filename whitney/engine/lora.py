@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, asdict, field
 
 import torch
+import torch.nn.functional as F
 
 from whitney.engine.model import (
     ATTN_PROJECTIONS, MLP_PROJECTIONS, LAYER_PROJECTIONS, UNEMBED, BaseModel, module_path,
@@ -219,6 +220,7 @@ class RowGroups:
     """
 
     bounds: list[tuple]
+    _index: dict = field(default_factory=dict, repr=False, compare=False)  # _batched_index's, per pass
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + scale * (x @ A^T) @ B^T for each group's rows. x [R, ..., in], y [R, ..., out]."""
@@ -229,6 +231,9 @@ class RowGroups:
             # does not keep), with no second [R, out] tensor (the unembedding's [R, V] above all).
             delta = _delta(self.bounds[0][2], name, x)
             return y.add_(delta) if y._base is None else y + delta
+        groups = [(start, end, a) for start, end, a in self.bounds if a is not None and name in a.A]
+        if _batched(groups, x):
+            return y + self._batched_delta(name, groups, x).reshape(y.shape)
         # Contiguous groups: the deltas (zeros for rows without this module) are concatenated and added
         # once. An in-place add per group would make autograd clone the whole gradient of y per group.
         pieces, covered = [], 0
@@ -244,6 +249,43 @@ class RowGroups:
         if covered < y.shape[0]:
             pieces.append(y.new_zeros((y.shape[0] - covered, *y.shape[1:])))
         return y + (pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+
+    def _batched_delta(self, name: str, groups: list[tuple], x: torch.Tensor) -> torch.Tensor:
+        """Every group's delta in two batched matmuls: x [R, ..., in] -> [R, S * out] (S = the middle dims),
+        zeros on rows of no group.
+
+        The G groups' rows are gathered into [G, L, S * in] (L = the longest group; a shorter group repeats
+        its last row, whose result is dropped) and their adapters stacked (ranks zero-padded to the largest,
+        which adds nothing): [G, L*S, in] @ [G, in, r] -> scale -> @ [G, r, out]. A handful of launches
+        whatever G is, where the per-group loop makes ~10 per group: on an accelerator a mixed batch of
+        many runs is launch-bound, not arithmetic-bound.
+        """
+        rows, width = x.shape[0], x.shape[-1]
+        gather, place, scale = self._batched_index(groups, rows, x.device)
+        rank = max(a.A[name].shape[0] for _, _, a in groups)
+        a_s = torch.stack([F.pad(a.A[name], (0, 0, 0, rank - a.A[name].shape[0])) for _, _, a in groups])  # [G, r, in]
+        b_s = torch.stack([F.pad(a.B[name], (0, rank - a.B[name].shape[1])) for _, _, a in groups])  # [G, out, r]
+        xs = x.reshape(rows, -1, width)[gather]  # [G, L, S, in]
+        g, length, middle = xs.shape[:3]
+        h = torch.bmm(xs.reshape(g, length * middle, width), a_s.to(x.dtype).transpose(1, 2))  # [G, L*S, r]
+        h = (h * scale.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)  # as x * a Python float
+        d = torch.bmm(h, b_s.to(x.dtype).transpose(1, 2))  # [G, L*S, out]
+        d = d.reshape(g * length, -1)  # [G*L, S*out]
+        return torch.cat([d, d.new_zeros((1, d.shape[1]))])[place]  # [R, S*out]: rows of no group take the zero row
+
+    def _batched_index(self, groups: list[tuple], rows: int, device: torch.device):
+        """(gather [G, L], place [R], scale [G, 1, 1]) for _batched_delta, made once per pass and groups
+        (every linear of a pass asks for the same ones; a host-to-device copy per linear would stall)."""
+        key = (tuple((s, e, id(a)) for s, e, a in groups), rows, device)
+        if key not in self._index:
+            length = max(e - s for s, e, _ in groups)
+            gather = torch.tensor([[min(s + j, e - 1) for j in range(length)] for s, e, _ in groups])
+            place = torch.full((rows,), len(groups) * length)  # the appended zero row
+            for i, (s, e, _) in enumerate(groups):
+                place[s:e] = torch.arange(i * length, i * length + e - s)
+            scale = torch.tensor([a.scale for _, _, a in groups], dtype=torch.float64)[:, None, None]
+            self._index[key] = tuple(t.to(device) for t in (gather, place, scale))
+        return self._index[key]
 
     def _apply_scattered(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Index groups (the decode batch, no autograd): add each group's delta in place."""
@@ -261,6 +303,16 @@ class RowGroups:
         for c in counts:
             starts.append(starts[-1] + c)
         return RowGroups([(starts[s], starts[e], a) for s, e, a in self.bounds])
+
+
+def _batched(groups: list[tuple], x: torch.Tensor) -> bool:
+    """Whether RowGroups.apply takes its groups' deltas in batched matmuls (_batched_delta) rather than one
+    group at a time: on an accelerator (launch-bound; the CPU's per-row throughput is flat, and its loop is
+    the exact path the suite pins), for two groups or more, when padding every group to the longest adds at
+    most as many rows as there are (the lm_head's [rows, V] delta above all)."""
+    if x.device.type == "cpu" or len(groups) < 2:
+        return False
+    return len(groups) * max(e - s for s, e, _ in groups) <= 2 * sum(e - s for s, e, _ in groups)
 
 
 def _covers(bound: tuple, name: str, y: torch.Tensor) -> bool:
