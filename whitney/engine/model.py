@@ -134,8 +134,10 @@ class BaseModel:
     layer_paths: list[dict[str, str]] = field(default_factory=list)
     # oneDNN-prepacked bfloat16 linear weights for passes without autograd; see transformer.prepacked
     packed: dict | None = None
-    # lm_head in oneDNN's layout for the fused target log-probs (float32 CPU); False where unavailable
+    # lm_head [V, D] and its transpose [D, V] in oneDNN's layout for the fused target log-probs' logits and
+    # their gradient in h (float32 CPU); False where unavailable
     packed_lm_head: object = None
+    packed_lm_head_t: object = None
     # The general path (engine/general.py): the frozen Hugging Face module whose own layers run, and the
     # path of its decoder stack. None on the fast path (llama, qwen2, qwen3), which runs `layers`.
     hf: torch.nn.Module | None = None
