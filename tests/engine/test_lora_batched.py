@@ -43,7 +43,7 @@ def test_batched_deltas_equal_the_loop_and_its_gradients():
     params = [x, *a.parameters(), *b.parameters(), *c.parameters()]
     groups = RowGroups(bounds)
     for name in ("q", "v"):
-        adapted = [(s, e, ad) for s, e, ad in bounds if ad is not None and name in ad.A]
+        adapted = [(range(s, e), ad) for s, e, ad in bounds if ad is not None and name in ad.A]
         batched = y + groups._batched_delta(name, adapted, x).reshape(y.shape)
         looped = groups.apply(name, x, y.clone())  # the CPU's loop (its few-row deltas in float32)
         want = y + _reference(name, bounds, x)
@@ -58,16 +58,31 @@ def test_batched_deltas_equal_the_loop_and_its_gradients():
                 torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     # Two-dimensional rows (the decode-free [R, in] case) too.
     x2 = torch.randn(12, IN, dtype=torch.float64)
-    adapted = [(s, e, ad) for s, e, ad in bounds if ad is not None]
+    adapted = [(range(s, e), ad) for s, e, ad in bounds if ad is not None]
     torch.testing.assert_close(groups._batched_delta("v", adapted, x2), _reference("v", bounds, x2),
                                rtol=1e-12, atol=1e-12)
 
 
+def test_batched_deltas_of_scattered_rows_equal_the_loop():
+    """The decode batch's index groups (rows joining and leaving in any order), batched as on an accelerator."""
+    a, b = _adapter(4, 1), _adapter(2, 2, alpha=3.0)
+    x = torch.randn(7, IN, dtype=torch.float64)
+    y = torch.randn(7, OUT, dtype=torch.float64)
+    adapted = [(torch.tensor([5, 0, 3]), a), (torch.tensor([1, 6]), b)]  # rows 2 and 4: the base model alone
+    groups = RowGroups([adapted[0], (torch.tensor([2, 4]), None), adapted[1]])
+    want = y.clone()
+    for rows, adapter in adapted:
+        want[rows] += adapter.scale * (x[rows] @ adapter.A["q"].T) @ adapter.B["q"].T
+    got = y + groups._batched_delta("q", adapted, x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(groups.apply("q", x, y.clone()), want, rtol=1e-5, atol=1e-4)  # the CPU's loop
+
+
 def test_batched_only_on_an_accelerator_for_several_groups_without_much_padding():
-    a = _adapter(2, 1)
     on = lambda device: torch.empty(0, IN, device=device)  # noqa: E731 - only the device is read
-    assert not _batched([(0, 4, a), (4, 8, a)], on("cpu")), "the CPU keeps the loop"
-    assert _batched([(0, 4, a), (4, 8, a)], on("meta"))
-    assert not _batched([(0, 4, a)], on("meta")), "one group needs no batching"
-    assert _batched([(0, 4, a), (4, 6, a)], on("meta"))  # 2 * 4 padded rows <= 2 * 6
-    assert not _batched([(0, 10, a), (10, 11, a), (11, 12, a)], on("meta")), "30 padded rows for 12"
+    assert not _batched([4, 4], on("cpu")), "the CPU keeps the loop"
+    assert _batched([4, 4], on("meta"))
+    assert not _batched([4], on("meta")), "one group needs no batching"
+    assert _batched([4, 2], on("meta"))  # 2 * 4 padded rows <= 2 * 6
+    assert not _batched([10, 1, 1], on("meta")), "30 padded rows for 12"

@@ -231,8 +231,8 @@ class RowGroups:
             # does not keep), with no second [R, out] tensor (the unembedding's [R, V] above all).
             delta = _delta(self.bounds[0][2], name, x)
             return y.add_(delta) if y._base is None else y + delta
-        groups = [(start, end, a) for start, end, a in self.bounds if a is not None and name in a.A]
-        if _batched(groups, x):
+        groups = [(range(start, end), a) for start, end, a in self.bounds if a is not None and name in a.A]
+        if _batched([len(rows) for rows, _ in groups], x):
             return y + self._batched_delta(name, groups, x).reshape(y.shape)
         # Contiguous groups: the deltas (zeros for rows without this module) are concatenated and added
         # once. An in-place add per group would make autograd clone the whole gradient of y per group.
@@ -252,9 +252,9 @@ class RowGroups:
 
     def _batched_delta(self, name: str, groups: list[tuple], x: torch.Tensor) -> torch.Tensor:
         """Every group's delta in two batched matmuls: x [R, ..., in] -> [R, S * out] (S = the middle dims),
-        zeros on rows of no group.
+        zeros on rows of no group. groups: (rows, adapter), rows a range (contiguous) or an index tensor.
 
-        The G groups' rows are gathered into [G, L, S * in] (L = the longest group; a shorter group repeats
+        The G groups' rows are gathered into [G, L, S, in] (L = the largest group; a smaller group repeats
         its last row, whose result is dropped) and their adapters stacked (ranks zero-padded to the largest,
         which adds nothing): [G, L*S, in] @ [G, in, r] -> scale -> @ [G, r, out]. A handful of launches
         whatever G is, where the per-group loop makes ~10 per group: on an accelerator a mixed batch of
@@ -262,9 +262,9 @@ class RowGroups:
         """
         rows, width = x.shape[0], x.shape[-1]
         gather, place, scale = self._batched_index(groups, rows, x.device)
-        rank = max(a.A[name].shape[0] for _, _, a in groups)
-        a_s = torch.stack([F.pad(a.A[name], (0, 0, 0, rank - a.A[name].shape[0])) for _, _, a in groups])  # [G, r, in]
-        b_s = torch.stack([F.pad(a.B[name], (0, rank - a.B[name].shape[1])) for _, _, a in groups])  # [G, out, r]
+        rank = max(a.A[name].shape[0] for _, a in groups)
+        a_s = torch.stack([F.pad(a.A[name], (0, 0, 0, rank - a.A[name].shape[0])) for _, a in groups])  # [G, r, in]
+        b_s = torch.stack([F.pad(a.B[name], (0, rank - a.B[name].shape[1])) for _, a in groups])  # [G, out, r]
         xs = x.reshape(rows, -1, width)[gather]  # [G, L, S, in]
         g, length, middle = xs.shape[:3]
         h = torch.bmm(xs.reshape(g, length * middle, width), a_s.to(x.dtype).transpose(1, 2))  # [G, L*S, r]
@@ -275,20 +275,29 @@ class RowGroups:
 
     def _batched_index(self, groups: list[tuple], rows: int, device: torch.device):
         """(gather [G, L], place [R], scale [G, 1, 1]) for _batched_delta, made once per pass and groups
-        (every linear of a pass asks for the same ones; a host-to-device copy per linear would stall)."""
-        key = (tuple((s, e, id(a)) for s, e, a in groups), rows, device)
+        (every linear of a pass asks for the same ones; a host-to-device copy per linear would stall). Built
+        where the groups' rows are: on the CPU for ranges, on the device for index tensors (no sync)."""
+        key = (tuple((r.start, r.stop) if isinstance(r, range) else id(r) for r, _ in groups), rows, device)
         if key not in self._index:
-            length = max(e - s for s, e, _ in groups)
-            gather = torch.tensor([[min(s + j, e - 1) for j in range(length)] for s, e, _ in groups])
-            place = torch.full((rows,), len(groups) * length)  # the appended zero row
-            for i, (s, e, _) in enumerate(groups):
-                place[s:e] = torch.arange(i * length, i * length + e - s)
-            scale = torch.tensor([a.scale for _, _, a in groups], dtype=torch.float64)[:, None, None]
+            members = [torch.arange(r.start, r.stop) if isinstance(r, range) else r for r, _ in groups]
+            at = members[0].device
+            length = max(len(m) for m in members)
+            steps = torch.arange(length, device=at)
+            gather = torch.stack([m[steps.clamp(max=len(m) - 1)] for m in members])
+            place = torch.full((rows,), len(members) * length, device=at)  # the appended zero row
+            for i, m in enumerate(members):
+                place[m] = i * length + steps[:len(m)]
+            scale = torch.tensor([a.scale for _, a in groups], dtype=torch.float64)[:, None, None]
             self._index[key] = tuple(t.to(device) for t in (gather, place, scale))
         return self._index[key]
 
     def _apply_scattered(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Index groups (the decode batch, no autograd): add each group's delta in place."""
+        """Index groups (the decode batch, no autograd): add each group's delta in place (batched on an
+        accelerator, as in apply)."""
+        groups = [(rows, a) for rows, a in self.bounds if a is not None and name in a.A]
+        if _batched([len(rows) for rows, _ in groups], x):
+            y += self._batched_delta(name, groups, x).reshape(y.shape)
+            return y
         for rows, adapter in self.bounds:
             if adapter is not None and name in adapter.A:
                 if len(rows) == y.shape[0]:  # every row (in some order): the delta is row-wise, no gather
@@ -305,14 +314,15 @@ class RowGroups:
         return RowGroups([(starts[s], starts[e], a) for s, e, a in self.bounds])
 
 
-def _batched(groups: list[tuple], x: torch.Tensor) -> bool:
-    """Whether RowGroups.apply takes its groups' deltas in batched matmuls (_batched_delta) rather than one
-    group at a time: on an accelerator (launch-bound; the CPU's per-row throughput is flat, and its loop is
-    the exact path the suite pins), for two groups or more, when padding every group to the longest adds at
-    most as many rows as there are (the lm_head's [rows, V] delta above all)."""
-    if x.device.type == "cpu" or len(groups) < 2:
+def _batched(sizes: list[int], x: torch.Tensor) -> bool:
+    """Whether RowGroups.apply takes its adapted groups' deltas (of `sizes` rows each) in batched matmuls
+    (_batched_delta) rather than one group at a time: on an accelerator (launch-bound; the CPU's per-row
+    throughput is flat, and its loop is the exact path the suite pins), for two groups or more, when padding
+    every group to the largest adds at most as many rows as there are (the lm_head's [rows, V] delta above
+    all)."""
+    if x.device.type == "cpu" or len(sizes) < 2:
         return False
-    return len(groups) * max(e - s for s, e, _ in groups) <= 2 * sum(e - s for s, e, _ in groups)
+    return len(sizes) * max(sizes) <= 2 * sum(sizes)
 
 
 def _covers(bound: tuple, name: str, y: torch.Tensor) -> bool:
