@@ -86,3 +86,42 @@ def test_batched_only_on_an_accelerator_for_several_groups_without_much_padding(
     assert not _batched([4], on("meta")), "one group needs no batching"
     assert _batched([4, 2], on("meta"))  # 2 * 4 padded rows <= 2 * 6
     assert not _batched([10, 1, 1], on("meta")), "30 padded rows for 12"
+
+
+def test_an_engine_with_batched_deltas_gives_the_loops_numbers(tiny_model, monkeypatch):
+    """The engine end to end with the batched path forced on (as on an accelerator), on the CPU: a mixed
+    batch of three runs of different ranks (one without an unembedding adapter), two steps, then a
+    multi-run greedy sample: losses and weights to float32 rounding, tokens exactly."""
+    from whitney.engine import Datum, Engine, ForwardRequest
+    from whitney.engine import lora
+    from whitney.engine.optim import AdamParams
+    from whitney.engine.sampler import SamplingParams
+
+    def run(engine: Engine):
+        configs = [LoraConfig(rank=4, seed=0), LoraConfig(rank=6, seed=1, train_unembed=False), LoraConfig(rank=2, seed=2)]
+        for i, config in enumerate(configs):
+            engine.create_run(f"r{i}", tiny_model, config)
+        requests = [ForwardRequest(f"r{i}", [Datum([(7 * i + 3 * j + k) % 500 + 3 for j in range(10 + 3 * i)],
+                                                   {"target_tokens": [(7 * i + 3 * j + k + 1) % 500 + 3
+                                                                      for j in range(10 + 3 * i)]})
+                                             for k in range(1 + i % 2)]) for i in range(3)]
+        losses = []
+        for _ in range(2):
+            losses += [r.loss for r in engine.run_batch(requests, True)]
+            engine.optim_steps([(f"r{i}", AdamParams(learning_rate=1e-2)) for i in range(3)])
+        versions = [engine.save_weights_for_sampler(f"r{i}") for i in range(3)]
+        pending = [engine.submit_sample([(5 * i + j) % 400 + 3 for j in range(6 + i)],
+                                        SamplingParams(max_tokens=6, temperature=0.0, stop=()),
+                                        run_id=f"r{i % 3}", version=versions[i % 3]) for i in range(5)]
+        while engine.sample_step():
+            pass
+        weights = {(i, n): t.detach().clone() for i in range(3) for n, t in engine.runs[f"r{i}"].adapter.named_parameters()}
+        return losses, weights, [p.result.sequences[0].tokens for p in pending]
+
+    want = run(Engine())
+    monkeypatch.setattr(lora, "_batched", lambda sizes, x: len(sizes) > 1)
+    got = run(Engine())
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), rtol=1e-5, atol=1e-5)
+    for key, w in want[1].items():
+        torch.testing.assert_close(got[1][key], w, rtol=1e-4, atol=1e-6)
+    assert got[2] == want[2]
