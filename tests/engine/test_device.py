@@ -248,6 +248,7 @@ def test_cuda_forward_matches_hf(cuda_bases, tiny_model):
 def test_cuda_defaults_to_bfloat16_without_cpu_tricks(tiny_llama, cpu_bases, tmp_path):
     from whitney.engine import EngineConfig, InProcessBackend
     from whitney.engine.transformer import attention_dtype, prepacked
+    from whitney.engine.unembedding import _packed_lm_head
 
     backend = InProcessBackend.start(EngineConfig(device="cuda"), [tiny_llama])
     info = backend.models[tiny_llama]
@@ -257,6 +258,7 @@ def test_cuda_defaults_to_bfloat16_without_cpu_tricks(tiny_llama, cpu_bases, tmp
     assert base.embed.device.type == "cuda" and base.embed.dtype == torch.bfloat16
     with torch.no_grad():
         assert prepacked(base) is None, "oneDNN prepacking is a CPU-only trick"
+        assert _packed_lm_head(base) == (None, None), "so is the unembedding's"
     assert attention_dtype(base) == torch.bfloat16, "float32 attention is a CPU-only trick"
     # bfloat16 on CUDA stays near float32 on the CPU; a CUDA checkpoint loads on the CPU.
     seqs = [[(31 * j) % 4000 + 5 for j in range(16)]]
