@@ -231,9 +231,10 @@ class RowGroups:
             # does not keep), with no second [R, out] tensor (the unembedding's [R, V] above all).
             delta = _delta(self.bounds[0][2], name, x)
             return y.add_(delta) if y._base is None else y + delta
-        groups = [(range(start, end), a) for start, end, a in self.bounds if a is not None and name in a.A]
-        if _batched([len(rows) for rows, _ in groups], x):
-            return y + self._batched_delta(name, groups, x).reshape(y.shape)
+        if _accelerated(x):  # the CPU keeps its loop (see _batched): nothing more on its hot path
+            groups = [(range(start, end), a) for start, end, a in self.bounds if a is not None and name in a.A]
+            if _batched([len(rows) for rows, _ in groups], x):
+                return y + self._batched_delta(name, groups, x).reshape(y.shape)
         # Contiguous groups: the deltas (zeros for rows without this module) are concatenated and added
         # once. An in-place add per group would make autograd clone the whole gradient of y per group.
         pieces, covered = [], 0
@@ -261,23 +262,24 @@ class RowGroups:
         many runs is launch-bound, not arithmetic-bound.
         """
         rows, width = x.shape[0], x.shape[-1]
-        gather, place, scale = self._batched_index(groups, rows, x.device)
+        gather, place, scale = self._batched_index(groups, rows, x)
         rank = max(a.A[name].shape[0] for _, a in groups)
         a_s = torch.stack([F.pad(a.A[name], (0, 0, 0, rank - a.A[name].shape[0])) for _, a in groups])  # [G, r, in]
         b_s = torch.stack([F.pad(a.B[name], (0, rank - a.B[name].shape[1])) for _, a in groups])  # [G, out, r]
         xs = x.reshape(rows, -1, width)[gather]  # [G, L, S, in]
         g, length, middle = xs.shape[:3]
         h = torch.bmm(xs.reshape(g, length * middle, width), a_s.to(x.dtype).transpose(1, 2))  # [G, L*S, r]
-        h = (h * scale.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)  # as x * a Python float
+        h = (h * scale).to(x.dtype)  # scale in float32 at least: as x * a Python float
         d = torch.bmm(h, b_s.to(x.dtype).transpose(1, 2))  # [G, L*S, out]
         d = d.reshape(g * length, -1)  # [G*L, S*out]
         return torch.cat([d, d.new_zeros((1, d.shape[1]))])[place]  # [R, S*out]: rows of no group take the zero row
 
-    def _batched_index(self, groups: list[tuple], rows: int, device: torch.device):
-        """(gather [G, L], place [R], scale [G, 1, 1]) for _batched_delta, made once per pass and groups
+    def _batched_index(self, groups: list[tuple], rows: int, x: torch.Tensor):
+        """(gather [G, L], place [R], scale [G, 1, 1]) for _batched_delta on x's device (scale in x's dtype, at
+        least float32), made once per pass and groups
         (every linear of a pass asks for the same ones; a host-to-device copy per linear would stall). Built
         where the groups' rows are: on the CPU for ranges, on the device for index tensors (no sync)."""
-        key = (tuple((r.start, r.stop) if isinstance(r, range) else id(r) for r, _ in groups), rows, device)
+        key = (tuple((r.start, r.stop) if isinstance(r, range) else id(r) for r, _ in groups), rows, x.device, x.dtype)
         if key not in self._index:
             members = [torch.arange(r.start, r.stop) if isinstance(r, range) else r for r, _ in groups]
             at = members[0].device
@@ -288,16 +290,18 @@ class RowGroups:
             for i, m in enumerate(members):
                 place[m] = i * length + steps[:len(m)]
             scale = torch.tensor([a.scale for _, a in groups], dtype=torch.float64)[:, None, None]
-            self._index[key] = tuple(t.to(device) for t in (gather, place, scale))
+            scale = scale.to(torch.promote_types(x.dtype, torch.float32))
+            self._index[key] = tuple(t.to(x.device) for t in (gather, place, scale))
         return self._index[key]
 
     def _apply_scattered(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Index groups (the decode batch, no autograd): add each group's delta in place (batched on an
         accelerator, as in apply)."""
-        groups = [(rows, a) for rows, a in self.bounds if a is not None and name in a.A]
-        if _batched([len(rows) for rows, _ in groups], x):
-            y += self._batched_delta(name, groups, x).reshape(y.shape)
-            return y
+        if _accelerated(x):
+            groups = [(rows, a) for rows, a in self.bounds if a is not None and name in a.A]
+            if _batched([len(rows) for rows, _ in groups], x):
+                y += self._batched_delta(name, groups, x).reshape(y.shape)
+                return y
         for rows, adapter in self.bounds:
             if adapter is not None and name in adapter.A:
                 if len(rows) == y.shape[0]:  # every row (in some order): the delta is row-wise, no gather
@@ -314,13 +318,18 @@ class RowGroups:
         return RowGroups([(starts[s], starts[e], a) for s, e, a in self.bounds])
 
 
+def _accelerated(x: torch.Tensor) -> bool:
+    """Whether x is off the CPU, where RowGroups may batch its groups' deltas."""
+    return x.device.type != "cpu"
+
+
 def _batched(sizes: list[int], x: torch.Tensor) -> bool:
     """Whether RowGroups.apply takes its adapted groups' deltas (of `sizes` rows each) in batched matmuls
     (_batched_delta) rather than one group at a time: on an accelerator (launch-bound; the CPU's per-row
     throughput is flat, and its loop is the exact path the suite pins), for two groups or more, when padding
     every group to the largest adds at most as many rows as there are (the lm_head's [rows, V] delta above
     all)."""
-    if x.device.type == "cpu" or len(sizes) < 2:
+    if not _accelerated(x) or len(sizes) < 2:
         return False
     return len(sizes) * max(sizes) <= 2 * sum(sizes)
 
