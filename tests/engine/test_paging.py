@@ -12,7 +12,7 @@ import torch
 from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig
 from whitney.engine.backend import EngineConfig
 from whitney.engine.optim import AdamParams
-from whitney.engine.paging import remove_leftovers
+from whitney.engine.paging import PagedMoments, remove_leftovers
 from whitney.engine.sampler import SamplingParams
 from whitney.errors import Conflict, InvalidInput, NotFound
 
@@ -104,6 +104,50 @@ def test_a_run_paged_out_between_every_step_equals_one_never_paged(tiny_model, t
     # Training moved the weights (the test compares something) and every version is kept.
     assert sorted(paged.get_run("r").sampler_versions) == [1, 2, 3]
     assert any(float(b.detach().abs().max()) > 0 for b in paged.get_run("r").adapter.B.values())
+
+
+def test_moments_stay_in_their_file_until_the_optimizer_is_used(tiny_llama, tmp_path):
+    """A page-in reads the adapter (and the rest) only: a forward_backward after it reads no moment, a page-out
+    before the next optim_step writes none (their file stays as it was), and the optim_step reads them, with
+    every number bitwise an engine's that never paged. A run deleted or loaded over with its moments still
+    out leaves no file behind."""
+    kept = Engine()
+    paged = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    params = {"learning_rate": 0.05, "weight_decay": 0.01}
+    for engine in (kept, paged):
+        engine.create_run("r", tiny_llama, LORA)
+        engine.forward_backward("r", _data(0))
+        engine.optim_step("r", params)
+    _page_out_now(paged, "r")
+    (own,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    (moments_file,) = own.glob("*.moments.bin")
+    moments_bytes = moments_file.read_bytes()
+    for step in (1, 2):
+        losses = [e.forward_backward("r", _data(step)).loss for e in (kept, paged)]
+        assert losses[0] == losses[1]
+        assert paged.residency()["moment_reads"] == 0 and isinstance(paged.runs["r"].optimizer_state, PagedMoments)
+        _page_out_now(paged, "r")
+        assert list(own.glob("*.moments.bin")) == [moments_file] and moments_file.read_bytes() == moments_bytes
+    metrics = [e.optim_step("r", params) for e in (kept, paged)]
+    assert metrics[0] == metrics[1]
+    totals = paged.residency()
+    assert totals["moment_reads"] == 1 and totals["moment_read_seconds"] > 0
+    assert not moments_file.exists(), "read back, then deleted"
+    _assert_same_state(kept, paged, "r")
+    # Deleted, or loaded over, while its moments are still in their file: the file goes.
+    paged.save_state("r", str(tmp_path / "state"))
+    for use in (lambda: paged.delete_run("r"),
+                lambda: paged.load_state("r", str(tmp_path / "state"), with_optimizer=True)):
+        if "r" not in paged.runs:
+            paged.create_run("r", tiny_llama, LORA)
+            paged.load_state("r", str(tmp_path / "state"), with_optimizer=True)
+        _page_out_now(paged, "r")
+        paged.get_run("r")
+        assert len(list(own.glob("*.moments.bin"))) == 1
+        use()
+        assert not list(own.glob("*.moments.bin"))
+    paged.get_run("r")
+    _assert_same_state(kept, paged, "r")
 
 
 def test_a_general_path_moe_run_pages_bitwise(tmp_path):
@@ -317,8 +361,13 @@ def test_paged_out_and_deleted_runs_give_their_memory_back(tiny_llama, tmp_path)
         engine.create_run(f"r{i}", tiny_llama, lora)
         engine.forward_backward(f"r{i}", _data(i))
         engine.optim_step(f"r{i}", {"learning_rate": 0.01})
-    held = sum(t.numel() * t.element_size() for i in range(8) for t in _state(engine, f"r{i}").values())
-    assert held > 8 * 15 * 2**20
+    sizes = {}  # what the runs hold: their moments, and the rest
+    for i in range(8):
+        for name, t in _state(engine, f"r{i}").items():
+            kind = "moments" if name.startswith("exp_avg") else "rest"
+            sizes[kind] = sizes.get(kind, 0) + t.numel() * t.element_size()
+    held = sizes["moments"] + sizes["rest"]
+    assert held > 8 * 15 * 2**20 and sizes["moments"] > sizes["rest"]
     before = _rss()
     engine.pager._next_sweep = 0.0
     assert engine.page_out_idle() == 8
@@ -326,6 +375,10 @@ def test_paged_out_and_deleted_runs_give_their_memory_back(tiny_llama, tmp_path)
     assert before - out > 0.8 * held, f"paging out {held / 2**20:.0f} MB freed only {(before - out) / 2**20:.0f} MB"
     for i in range(8):
         engine.get_run(f"r{i}")
+    adapters = _rss()
+    assert 0.8 * sizes["rest"] < adapters - out < sizes["rest"] + 0.2 * sizes["moments"], "moments stay out"
+    for i in range(8):
+        assert engine.get_run(f"r{i}").optimizer.exp_avg  # the first use of the optimizer reads them
     back = _rss()
     assert back - out > 0.8 * held
     for i in range(8):

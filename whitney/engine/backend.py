@@ -28,8 +28,9 @@ no exception objects in results), so a backend can live in this process (`InProc
   take_lost_runs()                runs whose worker died since the last call (their state is gone)
   page_out_idle()                 page out runs idle for `config.page_idle_seconds` (engine/paging.py); the
                                   scheduler's training thread calls it between engine calls
-  residency()                     {"in_memory": runs, "paged_out": runs, "page_outs"/"page_ins": counts so far,
-                                  "page_out_seconds"/"page_in_seconds": their total time}; from any thread
+  residency()                     {"in_memory": runs, "paged_out": runs, "page_outs"/"page_ins"/"moment_reads":
+                                  counts so far, "page_out_seconds"/"page_in_seconds"/"moment_read_seconds":
+                                  their total time}; from any thread
   close()                         stop the workers
   sampling                        sampling requests in flight (the metrics' batch occupancy)
   separate_sampling               True when sampling and scoring run apart from training (other workers):

@@ -1,24 +1,17 @@
 """Idle runs paged out to disk and back in on their next use, bitwise equal to never having left.
 
-A run untouched for `EngineConfig.page_idle_seconds` has every tensor it holds written to one file in this
+A run untouched for `EngineConfig.page_idle_seconds` has every tensor it holds written to disk in this
 engine's own directory under `paging_dir` and dropped from memory: its adapter (A and B of every module),
-AdamW's moments and step count, its accumulated gradient (a forward_backward whose optim_step has not come
-yet), the staged gradients of a micro-batched operation part-way through, and its sampler versions. The
-file is the tensors' bytes one after another, each at an offset that is a multiple of 64 bytes, written with
-a few `writev` calls; what each one is stays in memory (`PagedRun`), so the file needs no header. Its next
-use of any kind (`Engine.get_run`: forward_backward, optim_step, saves, exports, sampling or scoring on a
-version) reads the file back first and deletes it. Values, dtypes, devices, strides and `requires_grad` come
-back as they were, so every later number is the same.
+its accumulated gradient (a forward_backward whose optim_step has not come yet), the staged gradients of a
+micro-batched operation part-way through and its sampler versions go to one file, AdamW's moments to a
+second one. Its next use of any kind (`Engine.get_run`: forward_backward, optim_step, saves, exports,
+sampling or scoring on a version) reads the first file back and deletes it; the moments (two thirds of a
+stepped run's bytes) are read only when the run's optimizer is first used (`Run.optimizer`: an optim_step,
+a save with the optimizer), so a forward or forward_backward after a page-in does not wait for them, and a
+run paged out again before its next optim_step writes nothing for them. Values, dtypes, devices, strides
+and `requires_grad` come back as they were, so every later number is the same.
 
-Reading back: the tensors of one block (the adapter, each AdamW moment, the gradients, one stage, one
-version: tensors that are dropped together) are read with one `readinto` into memory of their own and each
-tensor is built over its bytes (`torch.frombuffer`, then `set_` to its shape and strides: a leaf, not a
-view). A block of 2 MB or more gets an anonymous mapping advised into 2 MB pages (`MADV_HUGEPAGE`): most of
-a page-in was the kernel faulting fresh memory in 4 KB at a time, which 2 MB pages make about three times
-cheaper (`_fresh_memory`). The mapping goes back to the system (munmap) when the block's last tensor is
-dropped. The file's cached pages are freed by closing it on a thread of its own. A rank-32 SmolLM2 run
-with AdamW state (130 MB) on a loaded 2-core VM: page-in p50 180-260 ms reading each tensor into memory
-from the allocator, 47-75 ms this way; page-out p50 105-155 ms with a write per tensor, 77-113 ms with writev.
+The files' format and how they are written and read: engine/page_file.py.
 
 Who pages out: the scheduler's worker thread, the one that owns the engine, calls `Engine.page_out_idle`
 between engine calls (through `Backend.page_out_idle`); it is a clock comparison when nothing is due.
@@ -40,15 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import logging
-import mmap
 import os
 import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,19 +49,19 @@ import torch
 
 from whitney.engine.lora import Adapter, LoraConfig
 from whitney.engine.optim import OptimizerState
+from whitney.engine.page_file import PageEntry, read_file, write_file
 from whitney.engine.sampler import SampleRequest
 from whitney.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from whitney.engine.runs import Run
+    from whitney.engine.run import Run
 
 log = logging.getLogger("whitney.engine.paging")
 
-_ALIGN = 64  # bytes: every tensor starts at a multiple of this in its file and in memory
-_HUGE_BLOCK = 2 * 2**20  # blocks of at least this many bytes get memory of their own in 2 MB pages
-_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
-_FLUSH_BYTES = 64 * 2**20  # a page-out writes what it has gathered at this size (bounds copies off a GPU)
-_ZEROS = bytes(_ALIGN)
+# Pager.totals' counters (and /metrics'): how many and their seconds, of page-outs, page-ins and reads of
+# AdamW moments left in their file at page-in.
+_COUNTERS = {"out": ("page_outs", "page_out_seconds"), "in": ("page_ins", "page_in_seconds"),
+             "moments": ("moment_reads", "moment_read_seconds")}
 
 # glibc's malloc_trim (None elsewhere): freed heap goes back to the system. glibc serves tensors below its
 # mmap threshold (which grows up to 32 MB as large blocks are freed) from the heap, and keeps what is freed.
@@ -101,20 +91,22 @@ def check_page_idle_seconds(value: float | None) -> None:
                            f"out), got {value!r}", field="page_idle_seconds")
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor in a page file (they follow one another in this order): where it came from, its layout, and
-    its bytes (its storage in memory order)."""
+@dataclass
+class PagedMoments:
+    """AdamW's state in a file of its own: a paged-out run's, or a paged-in run's until its optimizer is first
+    used (`Run.optimizer` reads it then, through `owner`)."""
 
-    kind: str  # adapter, exp_avg, exp_avg_sq, grads, staged, version
-    group: str  # the stage (staged) or the version number (version); "" otherwise
-    name: str  # the weight's name ({module path}.lora_A / .lora_B)
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
+    owner: "Pager"
+    path: Path
+    entries: list[PageEntry]
+    step: int
     nbytes: int
-    offset: int  # where its bytes start in the file (a multiple of _ALIGN)
+
+    def read(self, device: torch.device) -> OptimizerState:
+        return self.owner.read_moments(self, device)
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -122,11 +114,11 @@ class PagedRun:
     """What stays in memory of a paged-out run: its file, what is in it and the configs of its adapters."""
 
     path: Path
-    entries: list[_Entry]
+    entries: list[PageEntry]
     lora: LoraConfig  # the adapter's
     versions: dict[int, LoraConfig]  # each sampler version's
-    step: int  # AdamW's
-    nbytes: int
+    optimizer: OptimizerState | PagedMoments  # AdamW's state: in memory when it has no moments yet
+    nbytes: int  # its files' (adapter and the rest, and moments)
 
 
 class Pager:
@@ -143,8 +135,8 @@ class Pager:
         self.root = Path(directory) if directory else Path(tempfile.gettempdir()) / "whitney-paged"
         self.last_used: dict[str, float] = {}  # run id -> time.monotonic() of its last use
         self.paged: dict[str, PagedRun] = {}
-        self.seconds = {"out": deque(maxlen=1000), "in": deque(maxlen=1000)}  # recent page-out/in times
-        self.totals = {"page_outs": 0, "page_ins": 0, "page_out_seconds": 0.0, "page_in_seconds": 0.0}
+        self.seconds = {kind: deque(maxlen=1000) for kind in _COUNTERS}  # recent page-out/in/moments times
+        self.totals = {name: 0 for names in _COUNTERS.values() for name in names}
         self.holds: list[tuple[str, SampleRequest]] = []  # sampling requests on runs' versions, not yet ended
         self._dir: Path | None = None  # this engine's own directory, made at its first page-out
         self._files = 0
@@ -212,11 +204,15 @@ class Pager:
         self.holds = [(r, q) for r, q in self.holds if not q.done]
 
     def forget(self, run_id: str) -> None:
-        """The run is gone: its file too."""
+        """The run is gone: its files too."""
         self.last_used.pop(run_id, None)
         paged = self.paged.pop(run_id, None)
         if paged is not None:
             paged.path.unlink(missing_ok=True)
+        run = self.runs.get(run_id)
+        for optimizer in (paged and paged.optimizer, run and run.optimizer_state):
+            if isinstance(optimizer, PagedMoments):
+                optimizer.discard()
 
     def page_out_idle(self) -> int:
         """Page out the runs untouched for idle_seconds, except those with sampling requests in flight; how
@@ -265,94 +261,75 @@ class Pager:
     # ---- out and in ------------------------------------------------------------------------
 
     def page_out(self, run: "Run") -> None:
-        """Write every tensor the run holds to its file and drop them from the run (then from memory)."""
+        """Write every tensor the run holds to its files and drop them from the run (then from memory). AdamW's
+        moments go to a file of their own, unless they are still in one from the last page-out (not read
+        since: nothing is written for them)."""
         start = time.perf_counter()
-        groups = [("adapter", "", run.adapter.named_parameters()),
-                  ("exp_avg", "", run.optimizer.exp_avg.items()), ("exp_avg_sq", "", run.optimizer.exp_avg_sq.items()),
-                  ("grads", "", run.grads.items()),
+        groups = [("adapter", "", run.adapter.named_parameters()), ("grads", "", run.grads.items()),
                   *(("staged", stage, grads.items()) for stage, grads in run.staged.items()),
                   *(("version", str(v), a.named_parameters()) for v, a in run.sampler_versions.items())]
-        path, entries, total = self._new_path(), [], 0
-        try:
-            with open(path, "wb", buffering=0) as f:
-                pending, pending_bytes, offset = [], 0, 0  # buffers gathered for the next writev
-                for kind, group, named in groups:
-                    for name, t in named:
-                        requires_grad, t = t.requires_grad, t.detach()
-                        if not (t.is_contiguous() or _covers_storage(t)):
-                            t = t.contiguous()  # values kept; only a dense layout (a transpose) is kept as is
-                        flat = t.cpu().as_strided((t.numel(),), (1,))  # [numel]: its storage in memory order
-                        nbytes = t.numel() * t.element_size()
-                        pad = -offset % _ALIGN  # zeros up to the next multiple of _ALIGN
-                        if pad:
-                            pending.append(_ZEROS[:pad])
-                            offset += pad
-                        entries.append(_Entry(kind, group, name, tuple(t.shape), t.stride(), t.dtype,
-                                              requires_grad, nbytes, offset))
-                        pending.append(flat.view(torch.uint8).numpy())
-                        offset, pending_bytes, total = offset + nbytes, pending_bytes + nbytes, total + nbytes
-                        if pending_bytes >= _FLUSH_BYTES or len(pending) >= _IOV_MAX:
-                            _write(f, pending)
-                            pending, pending_bytes = [], 0
-                _write(f, pending)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
+        optimizer = run.optimizer_state  # in memory, or still in its own file (PagedMoments)
+        path = self._new_path()
+        entries, total = write_file(path, groups)
+        if isinstance(optimizer, OptimizerState) and optimizer.exp_avg:
+            moments_path = path.with_suffix(".moments.bin")
+            try:
+                moment_entries, moment_bytes = write_file(moments_path, [
+                    ("exp_avg", "", optimizer.exp_avg.items()), ("exp_avg_sq", "", optimizer.exp_avg_sq.items())])
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            optimizer = PagedMoments(self, moments_path, moment_entries, optimizer.step, moment_bytes)
+        moments = optimizer.nbytes if isinstance(optimizer, PagedMoments) else 0
         self.paged[run.run_id] = PagedRun(path, entries, run.adapter.config,
                                           {v: a.config for v, a in run.sampler_versions.items()},
-                                          run.optimizer.step, total)
+                                          optimizer, total + moments)
         run.adapter = None  # type: ignore[assignment]  # paged out: only Engine.get_run brings it back
-        run.optimizer = None  # type: ignore[assignment]
+        run.optimizer_state = None
         run.grads, run.staged, run.sampler_versions = {}, {}, {}
-        seconds = time.perf_counter() - start
-        self.seconds["out"].append(seconds)
-        self.totals["page_outs"] += 1
-        self.totals["page_out_seconds"] += seconds
-        log.info("paged out run %s: %.1f MB in %.0f ms", run.run_id, total / 2**20, seconds * 1e3)
+        self._timed("out", start, f"paged out run {run.run_id}: {(total + moments) / 2**20:.1f} MB")
 
     def page_in(self, run: "Run") -> None:
-        """Read the run's file back into the run (equal values, layouts and flags) and delete the file."""
+        """Read the run's file back into the run (equal values, layouts and flags) and delete the file. AdamW's
+        moments stay in their own file until the run's optimizer is first used (`Run.optimizer`)."""
         start = time.perf_counter()
         paged = self.paged[run.run_id]
-        device = run.base.device
         A: dict[str, dict[str, torch.Tensor]] = {"": {}}  # adapter group ("" or a version) -> module -> A
         B: dict[str, dict[str, torch.Tensor]] = {"": {}}
-        optimizer = OptimizerState(step=paged.step)
         grads: dict[str, torch.Tensor] = {}
         staged: dict[str, dict[str, torch.Tensor]] = {}
-        f = open(paged.path, "rb", buffering=0)
-        try:
-            for t, e in _read_blocks(f, paged.entries, f"page file {paged.path} of run {run.run_id!r}"):
-                t = t.to(device).requires_grad_(e.requires_grad)
-                if e.kind in ("adapter", "version"):
-                    module, ab = e.name.rsplit(".lora_", 1)
-                    (A if ab == "A" else B).setdefault(e.group, {})[module] = t
-                elif e.kind in ("exp_avg", "exp_avg_sq"):
-                    getattr(optimizer, e.kind)[e.name] = t
-                elif e.kind == "grads":
-                    grads[e.name] = t
-                else:
-                    staged.setdefault(e.group, {})[e.name] = t
-        except BaseException:
-            f.close()
-            raise
+        for t, e in read_file(paged.path, paged.entries, run.base.device, f"page file of run {run.run_id!r}"):
+            if e.kind in ("adapter", "version"):
+                module, ab = e.name.rsplit(".lora_", 1)
+                (A if ab == "A" else B).setdefault(e.group, {})[module] = t
+            elif e.kind == "grads":
+                grads[e.name] = t
+            else:
+                staged.setdefault(e.group, {})[e.name] = t
         run.adapter = Adapter(paged.lora, A[""], B[""])
-        run.optimizer = optimizer
+        run.optimizer_state = paged.optimizer
         run.grads, run.staged = grads, staged
         run.sampler_versions = {v: Adapter(config, A.get(str(v), {}), B.get(str(v), {}))
                                 for v, config in paged.versions.items()}
         del self.paged[run.run_id]
-        if os.name == "nt":  # an open file cannot be deleted there
-            f.close()
-        # The name goes now; the file's pages in the cache are freed when it is closed (14 ms for 130 MB), which
-        # another thread does, off the engine's.
-        paged.path.unlink(missing_ok=True)
-        threading.Thread(target=f.close, name="whitney-page-file-close", daemon=True).start()
+        self._timed("in", start, f"paged in run {run.run_id}: {(paged.nbytes - _nbytes(paged.optimizer)) / 2**20:.1f} MB")
+
+    def read_moments(self, moments: "PagedMoments", device: torch.device) -> OptimizerState:
+        """AdamW's state of a paged-in run, read back from its own file (then deleted)."""
+        start = time.perf_counter()
+        optimizer = OptimizerState(step=moments.step)
+        for t, e in read_file(moments.path, moments.entries, device, f"moments file {moments.path}"):
+            getattr(optimizer, e.kind)[e.name] = t
+        self._timed("moments", start, f"read AdamW moments: {moments.nbytes / 2**20:.1f} MB")
+        return optimizer
+
+    def _timed(self, kind: str, start: float, what: str) -> None:
         seconds = time.perf_counter() - start
-        self.seconds["in"].append(seconds)
-        self.totals["page_ins"] += 1
-        self.totals["page_in_seconds"] += seconds
-        log.info("paged in run %s: %.1f MB in %.0f ms", run.run_id, paged.nbytes / 2**20, seconds * 1e3)
+        self.seconds[kind].append(seconds)
+        count, total = _COUNTERS[kind]
+        self.totals[count] += 1
+        self.totals[total] += seconds
+        log.info("%s in %.0f ms", what, seconds * 1e3)
 
     def _new_path(self) -> Path:
         if self._dir is None:
@@ -363,72 +340,8 @@ class Pager:
         return self._dir / f"run-{self._files}.bin"
 
 
-def _write(f, buffers: list) -> None:
-    """Write the buffers one after another: one writev per _IOV_MAX of them (a short write is resumed)."""
-    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]  # an empty one would stall
-    i = 0
-    while i < len(views):
-        if hasattr(os, "writev"):
-            written = os.writev(f.fileno(), views[i:i + _IOV_MAX])
-        else:  # Windows
-            written = f.write(views[i])
-        while written and written >= len(views[i]):
-            written -= len(views[i])
-            i += 1
-        if written:  # part of views[i] was written
-            views[i] = views[i][written:]
-
-
-def _read_blocks(f, entries: list[_Entry], what: str):
-    """Each entry's tensor (on the CPU) with its entry, in order, read from file f one block at a time: the
-    consecutive entries of one kind and group are dropped together, so they share memory of their own."""
-    for _, same in itertools.groupby(entries, key=lambda e: (e.kind, e.group)):
-        block = list(same)
-        first, last = block[0].offset, block[-1].offset + block[-1].nbytes
-        memory = _fresh_memory(last - first)
-        f.seek(first)
-        view, done = memoryview(memory), 0
-        while done < len(view):  # one readinto, more only past the 2 GB a Linux read returns at most
-            n = f.readinto(view[done:])
-            if not n:
-                raise RuntimeError(f"{what} is truncated")
-            done += n
-        for e in block:
-            yield _tensor_over(memory, e.offset - first, e), e
-
-
-def _fresh_memory(nbytes: int):
-    """A writable buffer of nbytes, 64-byte aligned. From 2 MB up an anonymous mapping of its own, advised
-    into 2 MB pages: measured on a 2-core VM reading 130 MB from the page cache, 4 KB pages took ~180 ms
-    (faults and zeroing), 2 MB pages ~50 ms; unmapped once nothing refers to it (the tensors built over it
-    hold it). Smaller blocks come from torch's allocator, as a tensor would, and keep the mappings few."""
-    if nbytes < _HUGE_BLOCK or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return torch.empty(nbytes, dtype=torch.uint8).numpy()
-    try:
-        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:  # out of mappings (vm.max_map_count): the allocator's memory, as for a small block
-        return torch.empty(nbytes, dtype=torch.uint8).numpy()
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: 4 KB pages
-            pass
-    return memory
-
-
-def _tensor_over(memory, offset: int, e: _Entry) -> torch.Tensor:
-    """The tensor of entry e over memory[offset : offset + e.nbytes] (its storage, in memory order): its
-    dtype, shape and strides, a leaf of its own (not a view), keeping `memory` alive."""
-    if e.nbytes == 0:
-        return torch.empty_strided(e.shape, e.stride, dtype=e.dtype)
-    storage = torch.frombuffer(memory, dtype=torch.uint8, count=e.nbytes, offset=offset).untyped_storage()
-    return torch.empty(0, dtype=e.dtype).set_(storage, 0, e.shape, e.stride)
-
-
-def _covers_storage(t: torch.Tensor) -> bool:
-    """Whether t's elements are exactly its storage (a dense tensor in a permuted layout, e.g. a transpose)."""
-    return (t.storage_offset() == 0 and 0 not in t.stride()
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+def _nbytes(optimizer) -> int:
+    return optimizer.nbytes if isinstance(optimizer, PagedMoments) else 0
 
 
 def _own_prefix() -> str:

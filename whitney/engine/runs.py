@@ -11,7 +11,7 @@ Shape legend: B rows (datums), T padded length, D hidden, V vocab, N tokens of o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,34 +28,12 @@ from whitney.engine.model import (
 )
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step, optim_steps
 from whitney.engine.paging import Pager, release_memory
+from whitney.engine.run import Run
 from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, check_request
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
 from whitney.engine.transformer import forward_hidden, unembed
 from whitney.engine.unembedding import target_logprobs
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
-
-
-@dataclass
-class Run:
-    """One training job: its adapter, accumulated gradients, optimizer state and sampler versions.
-
-    `grads` holds a tensor per weight only between a forward_backward and the optim_step that consumes
-    it; an idle run costs its adapter and (once it has stepped) its two AdamW moments. `staged` holds
-    the gradients of an operation that runs in several micro-batches until its last one succeeded
-    (`Engine.commit_gradients`), so an operation adds its gradient whole or not at all. While the run is
-    paged out (paging.py) all of these are on disk (adapter and optimizer None): reach it by `Engine.get_run`.
-    """
-
-    run_id: str
-    base: BaseModel
-    adapter: Adapter
-    grads: dict[str, torch.Tensor]
-    optimizer: OptimizerState = field(default_factory=OptimizerState)
-    sampler_versions: dict[int, Adapter] = field(default_factory=dict)
-    staged: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # stage -> weight name -> grad
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return dict(self.adapter.named_parameters())
 
 
 @dataclass

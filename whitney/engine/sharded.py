@@ -63,7 +63,8 @@ from whitney.engine import checkpoint as ckpt
 from whitney.engine.lora import LoraConfig, load_adapter_weights
 from whitney.engine.model import DEFAULT_MODEL, BaseModel, LayerWeights, load_base_model
 from whitney.engine.optim import AdamParams, OptimizerState
-from whitney.engine.runs import Engine, Run
+from whitney.engine.run import Run
+from whitney.engine.runs import Engine
 from whitney.errors import Conflict, InvalidInput, NotFound
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")

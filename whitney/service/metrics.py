@@ -105,7 +105,9 @@ class _Holdings:
             yield gauge
         for name, text in (("page_outs", "Runs paged out so far"), ("page_ins", "Runs paged back in so far"),
                            ("page_out_seconds", "Time spent paging runs out"),
-                           ("page_in_seconds", "Time spent paging runs back in")):
+                           ("page_in_seconds", "Time spent paging runs back in"),
+                           ("moment_reads", "Paged-in runs' AdamW moments read back at their first optimizer use"),
+                           ("moment_read_seconds", "Time spent reading AdamW moments back")):
             counter = CounterMetricFamily(f"whitney_{name}", text)
             counter.add_metric([], residency.get(name, 0))
             yield counter
