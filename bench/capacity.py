@@ -12,7 +12,9 @@ optim_step, created by several client threads at once. The server's memory is Vm
              them need about 133 GiB of disk). Then, once every run is idle and paged out (RSS settled):
                page-in   for 20 paged-out runs one at a time, a forward (1 x 16 tokens) and the same
                          forward again right after: the server-stamped latency of the first minus the
-                         second is the page-in (the first operation of a paged-out run pays it);
+                         second is the page-in (the first operation of a paged-out run pays it),
+                         after the same pair on another paged-out run, untimed (`warm_up`): the first
+                         forward a server ever runs pays one-time set-up (over a second here);
                active    50 runs (paged out before) loop forward_backward + optim_step from 50 clients
                          for a while: the RSS's peak over that time against the one-run server's. The
                          budget of 4 resident runs is what holds it (50 runs' state is 50 x 130 MiB): the
@@ -290,6 +292,8 @@ def measure(tree: Path | None, dtype: str, target: int, threads: int, create_s: 
                     out["settled"]["mib_per_paged_run"] = out["settled"]["paged_bytes"] / res["paged_out"] / 2**20
                 print(f"  capacity: settled {res}, RSS {out['settled']['rss_mib']:.0f} MiB", flush=True)
                 probes = runs[:n_probe]
+                if len(runs) > n_probe + n_active:  # the server's first forwards ever, on a run used nowhere else
+                    out["warm_up"] = page_in_latency(runs[-1:], probe)
                 out["page_in"] = page_in_latency(probes, probe)
                 chosen = runs[n_probe:n_probe + n_active]
                 t = time.monotonic()

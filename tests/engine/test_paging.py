@@ -3,6 +3,7 @@ back to the system (measured as the process's RSS), files gone with their runs."
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig
+from whitney.engine import paging
 from whitney.engine.backend import EngineConfig
 from whitney.engine.optim import AdamParams
 from whitney.engine.paging import PagedMoments, remove_leftovers
@@ -57,9 +59,10 @@ def _page_out_now(engine: Engine, run_id: str) -> None:
     """Run the sweep the scheduler runs, with the clock past the idle time, and check the run left memory."""
     engine.pager._next_sweep = 0.0
     assert engine.page_out_idle() == 1
-    assert _counts(engine) == {"in_memory": 0, "paged_out": 1}
     run = engine.runs[run_id]
     assert run.adapter is None and run.optimizer is None and not run.grads and not run.sampler_versions
+    assert not engine.pager.settle(), "its files are written"
+    assert _counts(engine) == {"in_memory": 0, "paged_out": 1}
 
 
 def test_a_run_paged_out_between_every_step_equals_one_never_paged(tiny_model, tmp_path):
@@ -257,7 +260,7 @@ def test_only_idle_runs_are_paged_and_validate_never_pages_in(tiny_llama, tmp_pa
     time.sleep(1.05)
     engine.get_run("busy")  # a use
     engine.pager._next_sweep = 0.0
-    assert engine.page_out_idle() == 1
+    assert engine.page_out_idle() == 1 and not engine.pager.settle()
     assert set(engine.pager.paged) == {"idle"} and _counts(engine) == {"in_memory": 1, "paged_out": 1}
     # Validation (the HTTP thread's) reads the base only: the run stays out.
     assert engine.validate(ForwardRequest("idle", _data(0)), backward=True) == 13
@@ -291,6 +294,7 @@ def test_delete_create_and_unknown_runs_while_paged(tiny_llama, tmp_path):
     engine.create_run("r", tiny_llama, LORA)
     engine.pager._next_sweep = 0.0
     engine.page_out_idle()
+    engine.pager.settle()
     (own,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     assert len(list(own.glob("run-*"))) == 1
     with pytest.raises(Conflict):
@@ -316,6 +320,55 @@ def test_a_run_that_cannot_be_written_stays_in_memory(tiny_llama, tmp_path):
     assert engine.page_out_idle() == 0 and _counts(engine) == {"in_memory": 1, "paged_out": 0}
     assert engine.pager._next_sweep > time.monotonic() + 30, "not retried at every turn of the loop"
     engine.forward_backward("r", _data(0))
+
+
+def test_a_page_out_is_written_off_the_engine_thread_and_a_page_in_waits_for_it(tiny_llama, tmp_path, monkeypatch):
+    """The sweep returns while the run's files are still being written (the writer thread holds its state);
+    the run's next use waits for the write and reads it back, bitwise."""
+    kept, engine = Engine(), Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    for e in (kept, engine):
+        e.create_run("r", tiny_llama, LORA)
+        e.forward_backward("r", _data(0))
+        e.optim_step("r", {"learning_rate": 0.05})
+        e.forward_backward("r", _data(1))  # a gradient waiting for its optim_step goes out too
+    go, write_file = threading.Event(), paging.write_file
+    monkeypatch.setattr(paging, "write_file", lambda *a: go.wait(30) and write_file(*a))
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 1 and engine.runs["r"].adapter is None
+    assert not engine.pager.leaving["r"].done(), "the engine thread did not wait for the write"
+    assert _counts(engine) == {"in_memory": 1, "paged_out": 0}, "in memory until written"
+    threading.Timer(0.2, go.set).start()
+    _assert_same_state(kept, engine, "r")  # get_run waits for the write, then reads the files
+    assert engine.residency()["page_ins"] == 1 and not engine.pager.leaving
+
+
+def test_a_write_that_fails_puts_the_state_back(tiny_llama, tmp_path, monkeypatch):
+    """A page-out whose write fails (a full disk) leaves no file and its run in memory with its own
+    tensors, found by the next sweep (which then waits a minute) or the run's next use."""
+    kept, engine = Engine(), Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    for e in (kept, engine):
+        for run_id in ("a", "b"):
+            e.create_run(run_id, tiny_llama, LORA)
+            e.forward_backward(run_id, _data(0))
+            e.optim_step(run_id, {"learning_rate": 0.05})
+
+    def full(path, groups):
+        Path(path).write_bytes(b"partial")
+        Path(path).unlink()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(paging, "write_file", full)
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 2
+    engine.forward_backward("a", _data(1))  # its next use: the failed write is found, nothing to read
+    kept.forward_backward("a", _data(1))
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 0, "the sweep found b's failed write: none now"
+    assert engine.pager._next_sweep > time.monotonic() + 30
+    assert _counts(engine) == {"in_memory": 2, "paged_out": 0} and engine.residency()["page_outs"] == 0
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]
+    for run_id in ("a", "b"):
+        _assert_same_state(kept, engine, run_id)
 
 
 def test_page_idle_seconds_must_be_a_finite_non_negative_number(tmp_path):
@@ -371,6 +424,7 @@ def test_paged_out_and_deleted_runs_give_their_memory_back(tiny_llama, tmp_path)
     before = _rss()
     engine.pager._next_sweep = 0.0
     assert engine.page_out_idle() == 8
+    engine.pager.settle()  # the writes are done (the writer thread frees each run's memory once written)
     out = _rss()
     assert before - out > 0.8 * held, f"paging out {held / 2**20:.0f} MB freed only {(before - out) / 2**20:.0f} MB"
     for i in range(8):
@@ -409,6 +463,7 @@ def test_a_residency_budget_keeps_n_runs_in_memory_with_the_same_numbers(tiny_ll
         for i, run_id in enumerate(ids):
             engine.create_run(run_id, tiny_llama, LoraConfig(rank=4, alpha=8.0, seed=i))
             assert engine is kept or len(_resident(engine)) <= 2
+    budget.pager.settle()  # the last creation's push-out is written
     assert _counts(budget) == {"in_memory": 2, "paged_out": 3}
     params = AdamParams(learning_rate=0.05, weight_decay=0.01)
     for step in range(2):

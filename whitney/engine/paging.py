@@ -15,7 +15,11 @@ The files' format and how they are written and read: engine/page_file.py.
 
 Who pages out: the scheduler's worker thread, the one that owns the engine, calls `Engine.page_out_idle`
 between engine calls (through `Backend.page_out_idle`); it is a clock comparison when nothing is due.
-A run with sampling requests in flight on its versions stays (a request holds its adapter).
+A run with sampling requests in flight on its versions stays (a request holds its adapter). The engine's
+thread only takes the state out of the run; the pager's writer thread writes the files and then drops the
+state, so neither a sweep nor a page-in that pushes a run out waits for a write (a page-out of a SmolLM2
+run is 50-170 ms). A run whose write is still in flight at its next use waits for it and is read back; a
+write that fails (a full disk) puts the state back into its run (`Pager.collect`).
 
 A residency budget (`EngineConfig.max_resident_runs`) bounds memory whatever the clock says: a run coming
 into memory (created, or paged in for its next use) when that many are already there first pushes out the
@@ -41,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,6 +115,21 @@ class PagedMoments:
 
 
 @dataclass
+class _Leaving:
+    """A run's state on its way to its files: the writer thread drops it once written."""
+
+    adapter: Adapter
+    optimizer: OptimizerState | PagedMoments
+    grads: dict[str, torch.Tensor]
+    staged: dict[str, dict[str, torch.Tensor]]
+    versions: dict[int, Adapter]
+
+    def drop(self) -> None:
+        self.adapter = self.optimizer = None  # type: ignore[assignment]
+        self.grads, self.staged, self.versions = {}, {}, {}
+
+
+@dataclass
 class PagedRun:
     """What stays in memory of a paged-out run: its file, what is in it and the configs of its adapters."""
 
@@ -119,6 +139,7 @@ class PagedRun:
     versions: dict[int, LoraConfig]  # each sampler version's
     optimizer: OptimizerState | PagedMoments  # AdamW's state: in memory when it has no moments yet
     nbytes: int  # its files' (adapter and the rest, and moments)
+    written: bool = False  # its files are written and its state dropped from memory
 
 
 class Pager:
@@ -138,6 +159,8 @@ class Pager:
         self.seconds = {kind: deque(maxlen=1000) for kind in _COUNTERS}  # recent page-out/in/moments times
         self.totals = {name: 0 for names in _COUNTERS.values() for name in names}
         self.holds: list[tuple[str, SampleRequest]] = []  # sampling requests on runs' versions, not yet ended
+        self.leaving: dict[str, Future] = {}  # run id -> its page-out's write, until `collect` finishes it
+        self._writer: ThreadPoolExecutor | None = None  # the thread that writes page files, made at the first
         self._dir: Path | None = None  # this engine's own directory, made at its first page-out
         self._files = 0
         self._next_sweep = 0.0
@@ -160,6 +183,7 @@ class Pager:
     def make_room(self, coming: str) -> int:
         """Under the budget, page out the least recently used runs in memory until `coming` fits, sparing the
         pinned and held ones; how many went (the budget is exceeded where none can go)."""
+        self.settle()  # at most one run's state in memory beyond the budget: the one about to be written
         resident = [r for r in self.last_used if r not in self.paged and r != coming]
         excess = len(resident) + 1 - self.max_resident
         if excess <= 0:
@@ -205,6 +229,7 @@ class Pager:
 
     def forget(self, run_id: str) -> None:
         """The run is gone: its files too."""
+        self.collect(run_id)
         self.last_used.pop(run_id, None)
         paged = self.paged.pop(run_id, None)
         if paged is not None:
@@ -221,6 +246,8 @@ class Pager:
         if self.idle_seconds is None or now < self._next_sweep:
             return 0
         self._next_sweep = now + min(1.0, self.idle_seconds / 2)
+        if self.collect():  # a write of the last sweep failed: its run is back, sweeps wait a minute
+            return 0
         self._drop_ended_holds(now)
         held = {r for r, _ in self.holds}
         cutoff = now - self.idle_seconds
@@ -231,8 +258,8 @@ class Pager:
         return paged
 
     def _page_out_each(self, run_ids: list[str]) -> tuple[int, bool]:
-        """Page these runs out in order, then give the memory back; (how many went, whether one could not be
-        written: the disk is full or unwritable, and the rest stay in memory)."""
+        """Start paging these runs out in order; (how many went, whether one could not be: its directory
+        cannot be made, and the rest stay in memory)."""
         paged = 0
         for run_id in run_ids:
             try:
@@ -241,18 +268,21 @@ class Pager:
             except OSError as e:
                 log.warning("could not page out run %s: %s", run_id, e)
                 break
-        if paged:
-            release_memory()
         return paged, paged < len(run_ids)
 
     def residency(self, runs: int) -> dict[str, float]:
-        """Runs in memory and paged out, of `runs`, and page-outs and page-ins so far with their total
-        seconds (reads of sizes and numbers: safe from another thread)."""
-        paged = len(self.paged)
+        """Runs in memory and paged out, of `runs` (one whose files are still being written is in memory:
+        its state is), and page-outs and page-ins so far with their total seconds (safe from another
+        thread: list() copies the dict's values in one step under the GIL)."""
+        paged = sum(1 for p in list(self.paged.values()) if p.written)
         return {"in_memory": max(0, runs - paged), "paged_out": paged, **self.totals}
 
     def close(self) -> None:
         """Remove this engine's directory (its paged runs' state with it: call when the engine ends)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+            self.leaving.clear()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -261,38 +291,82 @@ class Pager:
     # ---- out and in ------------------------------------------------------------------------
 
     def page_out(self, run: "Run") -> None:
-        """Write every tensor the run holds to its files and drop them from the run (then from memory). AdamW's
-        moments go to a file of their own, unless they are still in one from the last page-out (not read
-        since: nothing is written for them)."""
-        start = time.perf_counter()
-        groups = [("adapter", "", run.adapter.named_parameters()), ("grads", "", run.grads.items()),
-                  *(("staged", stage, grads.items()) for stage, grads in run.staged.items()),
-                  *(("version", str(v), a.named_parameters()) for v, a in run.sampler_versions.items())]
-        optimizer = run.optimizer_state  # in memory, or still in its own file (PagedMoments)
-        path = self._new_path()
-        entries, total = write_file(path, groups)
-        if isinstance(optimizer, OptimizerState) and optimizer.exp_avg:
-            moments_path = path.with_suffix(".moments.bin")
-            try:
-                moment_entries, moment_bytes = write_file(moments_path, [
-                    ("exp_avg", "", optimizer.exp_avg.items()), ("exp_avg_sq", "", optimizer.exp_avg_sq.items())])
-            except BaseException:
-                path.unlink(missing_ok=True)
-                raise
-            optimizer = PagedMoments(self, moments_path, moment_entries, optimizer.step, moment_bytes)
-        moments = optimizer.nbytes if isinstance(optimizer, PagedMoments) else 0
-        self.paged[run.run_id] = PagedRun(path, entries, run.adapter.config,
-                                          {v: a.config for v, a in run.sampler_versions.items()},
-                                          optimizer, total + moments)
+        """Take every tensor the run holds out of it and write them to its files on the pager's writer thread
+        (the memory goes once written: `settle` waits for that). AdamW's moments go to a file of their own,
+        unless they are still in one from the last page-out (not read since: nothing is written for them). A
+        write that fails puts the state back in the run (`collect`)."""
+        path = self._new_path()  # on this thread: a directory that cannot be made fails here, the run kept
+        leaving = _Leaving(run.adapter, run.optimizer_state, run.grads, run.staged, run.sampler_versions)
+        paged = PagedRun(path, [], run.adapter.config, {v: a.config for v, a in run.sampler_versions.items()},
+                         run.optimizer_state, 0)
+        self.paged[run.run_id] = paged
         run.adapter = None  # type: ignore[assignment]  # paged out: only Engine.get_run brings it back
         run.optimizer_state = None
         run.grads, run.staged, run.sampler_versions = {}, {}, {}
-        self._timed("out", start, f"paged out run {run.run_id}: {(total + moments) / 2**20:.1f} MB")
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="whitney-page-out")
+        self.leaving[run.run_id] = self._writer.submit(self._write_run, run.run_id, leaving, paged)
+
+    def _write_run(self, run_id: str, leaving: "_Leaving", paged: PagedRun) -> "_Leaving | None":
+        """On the writer thread: write the state to the run's files and fill in `paged`, then drop the state
+        (its memory goes back to the system); the state itself if it could not be written."""
+        start = time.perf_counter()
+        groups = [("adapter", "", leaving.adapter.named_parameters()), ("grads", "", leaving.grads.items()),
+                  *(("staged", stage, grads.items()) for stage, grads in leaving.staged.items()),
+                  *(("version", str(v), a.named_parameters()) for v, a in leaving.versions.items())]
+        optimizer = leaving.optimizer  # in memory, or still in its own file (PagedMoments)
+        try:
+            paged.entries, total = write_file(paged.path, groups)
+            if isinstance(optimizer, OptimizerState) and optimizer.exp_avg:
+                moments_path = paged.path.with_suffix(".moments.bin")
+                try:
+                    entries, nbytes = write_file(moments_path, [("exp_avg", "", optimizer.exp_avg.items()),
+                                                                ("exp_avg_sq", "", optimizer.exp_avg_sq.items())])
+                except BaseException:
+                    paged.path.unlink(missing_ok=True)
+                    raise
+                optimizer = PagedMoments(self, moments_path, entries, optimizer.step, nbytes)
+        except OSError as e:
+            log.warning("could not page out run %s: %s", run_id, e)
+            return leaving
+        paged.optimizer = optimizer
+        paged.nbytes = total + _nbytes(optimizer)
+        del groups, optimizer
+        leaving.drop()
+        release_memory()
+        paged.written = True
+        self._timed("out", start, f"paged out run {run_id}: {paged.nbytes / 2**20:.1f} MB")
+        return None
+
+    def collect(self, run_id: str | None = None) -> bool:
+        """Finish the page-outs whose writes ended (all of them; with run_id, that run's, waiting for it): a
+        failed one's state goes back into its run, which stays in memory. Whether one failed."""
+        failed = False
+        for r in [run_id] if run_id in self.leaving else [r for r, f in self.leaving.items() if f.done()]:
+            leaving = self.leaving.pop(r).result()
+            if leaving is not None:  # not written: back into the run
+                run = self.runs[r]
+                run.adapter, run.optimizer_state, run.grads = leaving.adapter, leaving.optimizer, leaving.grads
+                run.staged, run.sampler_versions = leaving.staged, leaving.versions
+                del self.paged[r]
+                failed = True
+        if failed:
+            self._next_sweep = time.monotonic() + 60.0  # the disk is full or unwritable: try again in a minute
+        return failed
+
+    def settle(self) -> bool:
+        """Wait for every page-out in flight and finish it (`collect`); whether one failed."""
+        failed = False
+        for run_id in list(self.leaving):
+            failed |= self.collect(run_id)
+        return failed
 
     def page_in(self, run: "Run") -> None:
         """Read the run's file back into the run (equal values, layouts and flags) and delete the file. AdamW's
         moments stay in their own file until the run's optimizer is first used (`Run.optimizer`)."""
         start = time.perf_counter()
+        if self.collect(run.run_id) and run.run_id not in self.paged:  # its write failed: it never left
+            return
         paged = self.paged[run.run_id]
         A: dict[str, dict[str, torch.Tensor]] = {"": {}}  # adapter group ("" or a version) -> module -> A
         B: dict[str, dict[str, torch.Tensor]] = {"": {}}
