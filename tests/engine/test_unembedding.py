@@ -126,3 +126,21 @@ def test_a_gradient_other_than_the_known_one_is_recomputed(bases, monkeypatch):
         refs = torch.autograd.grad((lp64 * scale * weights.double()).sum(), [h64, *p64.values()], retain_graph=True)
         for got, want in zip(grads, refs):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_log_probs_far_below_a_float32_softmax_come_from_log_softmax(bases):
+    """With the gradient known, the log-probs are the logs of the softmax the gradient needs; a target so
+    unlikely that its softmax underflows float32 (log-prob far below -87) still gets its exact log-prob
+    (those rows take log_softmax), and the gradient is finite and float64's."""
+    base = bases[torch.float32]
+    g = torch.Generator().manual_seed(4)
+    h = (torch.randn(40, base.config.hidden_size, generator=g) * 60).requires_grad_(True)
+    targets = torch.randint(0, base.config.vocab_size, (40,), generator=g)
+    weights = torch.randn(40, generator=g)
+    lp = unembedding.target_logprobs(base, h, targets, None, weights)
+    (dh,) = torch.autograd.grad((lp * weights).sum(), [h])
+    lp64, h64, _ = _reference(base, h, targets, None)
+    (want,) = torch.autograd.grad((lp64 * weights.double()).sum(), [h64])
+    assert float(lp64.detach().min()) < -200 and float(lp64.detach().max()) > -60, "both kinds of rows are there"
+    torch.testing.assert_close(lp.double(), lp64.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dh.double(), want, rtol=1e-5, atol=1e-5)

@@ -61,9 +61,12 @@ class _FusedTargetLogprobs(torch.autograd.Function):
         gradient = _Gradient(lm, u, idx, known) if known is not None and any(ctx.needs_input_grad[:3]) else None
         for s, e in _blocks(h):
             z = lm.logits(h[s:e], None if u is None else u[s:e])  # [R, V] float32
-            out[s:e] = torch.log_softmax(z, -1).gather(-1, idx[s:e])
-            if gradient is not None:  # softmax(z) as backward takes it (exp_ of the log-probs is 2x slower on a CPU)
-                gradient.add_block(s, e, torch.softmax(z, -1))
+            if gradient is None:
+                out[s:e] = torch.log_softmax(z, -1).gather(-1, idx[s:e])
+            else:  # one softmax for both: the log-probs are those of its targets (one exp pass, not two)
+                p = torch.softmax(z, -1)
+                out[s:e] = _gathered_logs(p, z, idx[s:e])
+                gradient.add_block(s, e, p)
         ctx.save_for_backward(h, u, b, idx)
         ctx.base = base
         ctx.known = None if gradient is None else (known, gradient)
@@ -158,6 +161,22 @@ class _Unembedding:
             return torch.ops.mkldnn._linear_pointwise(p.to(self.base.lm_head.dtype), self.packed_t, None, "none",
                                                       [], "").float()
         return (p.to(self.base.lm_head.dtype) @ self.base.lm_head).float()
+
+
+# Below this a float32 softmax value may have lost bits to underflow (exp(z - max) < 2^-126 is subnormal).
+_LOG_OF_SOFTMAX_FROM = 2.0**-100
+
+
+def _gathered_logs(p: torch.Tensor, z: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """log p[r, idx[r, k]] for a block's softmax p [R, V] of its logits z [R, V]: as exact as log_softmax's
+    (p is exp(z - max) / sum, each rounded once: the log is within ~1e-7 of z - max - log sum), except where
+    p is so small that it underflowed; those rows take log_softmax of their logits. [R, K] float32."""
+    pt = p.gather(-1, idx)
+    lp = pt.log()
+    tiny = (pt < _LOG_OF_SOFTMAX_FROM).any(-1).nonzero()[:, 0]
+    if tiny.numel():
+        lp[tiny] = torch.log_softmax(z[tiny], -1).gather(-1, idx[tiny])
+    return lp
 
 
 def _blocks(h: torch.Tensor):
