@@ -4,7 +4,7 @@ SmolLM2 (the embedded default), LoRA rank 32, each run stepped once: forward_bac
 optim_step, created by several client threads at once. The server's memory is VmRSS of its process
 (/proc/PID/status), read every second.
 
-  current    `whitney serve --page-idle-seconds P --max-resident-runs 4`: first one run is stepped, and its RSS is the
+  current    `whitney serve --page-idle-seconds P --max-resident-runs 3`: first one run is stepped, and its RSS is the
              one-run server's; then runs are created up to the target (1,000; --quick 40). The creation
              stops early, with the reason recorded, if the server's RSS passes 8 GiB, the machine's
              available memory falls under 4 GiB, the paged files would leave less than 20 GiB of disk
@@ -17,8 +17,8 @@ optim_step, created by several client threads at once. The server's memory is Vm
                          forward a server ever runs pays one-time set-up (over a second here);
                active    50 runs (paged out before) loop forward_backward + optim_step from 50 clients
                          for a while: the RSS's peak over that time against the one-run server's. The
-                         budget of 4 resident runs is what holds it (50 runs' state is 50 x 130 MiB): the
-                         engine takes the 50 runs' work 4 runs at a time, paging the rest.
+                         budget of 3 resident runs is what holds it (50 runs' state is 50 x 130 MiB): the
+                         engine takes the 50 runs' work 3 runs at a time, paging the rest.
              Page-out/in seconds per run: from the server's metrics when it exposes them (any
              /metrics series with "page" in its name), and bytes per paged run from <data dir>/paged.
   baseline   the commit before issue 15 (no paging): runs created the same way until the same guards
@@ -41,7 +41,9 @@ from bench.baseline import BASELINE_REF, checkout, start_server
 from bench.common import median, percentile, sft_batch
 
 RANK = 32
-MAX_RESIDENT = 4  # the current server's residency budget: 1 + 3 runs over a one-run server (~3 x 130 MiB)
+# The current server's residency budget: 3 runs in memory plus the one on its way to disk (a page-out is
+# written while the next run is read in), 1 + 3 runs' state over a one-run server's (~3 x 130-170 MiB).
+MAX_RESIDENT = 3
 RSS_GUARD_KIB = 8 * 2**20  # stop creating runs when the server's RSS passes 8 GiB (the machine has 24)
 AVAILABLE_GUARD_KIB = 4 * 2**20  # ... or the machine's available memory falls under 4 GiB
 DISK_RESERVE = 20 * 2**30  # ... or the disk would have less than 20 GiB free

@@ -64,6 +64,8 @@ def test_a_paging_server_gives_the_numbers_of_one_that_never_pages(make_server, 
     m = scrape(paging.http())
     assert value(m, "whitney_page_ins_total") == value(m, "whitney_page_outs_total") >= 8
     assert value(m, "whitney_page_in_seconds_total") > 0 and value(m, "whitney_page_out_seconds_total") > 0
+    # Each optim_step after a page-in read the run's moments back (the forward_backwards before them did not).
+    assert value(m, "whitney_moment_reads_total") >= 1 and value(m, "whitney_moment_read_seconds_total") > 0
 
 
 def test_a_run_in_use_is_not_paged_out(make_server, tmp_path):

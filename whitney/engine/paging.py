@@ -26,7 +26,9 @@ into memory (created, or paged in for its next use) when that many are already t
 least recently used one that the engine call in progress does not need (`Pager.pinned`) and no sampling
 request holds. An engine call over more runs than the budget runs them a budget's worth at a time
 (`Engine.run_batch`, `Engine.optim_steps`). Where every run in memory is needed or held, the run comes in
-anyway: the budget is exceeded for as long as that lasts, never a request refused.
+anyway: the budget is exceeded for as long as that lasts, never a request refused. The run pushed out is
+written while the coming one is read in, so memory holds at most the budget's runs plus that one; a push-out
+waits for the write before it (never two in flight).
 
 Files live only as long as their process: each engine writes into a directory of its own
 (`engine-<host>-<pid>-<random>`), removed by `close()`; directories of processes of the same host that

@@ -17,6 +17,8 @@ Read from the store and the backend at each scrape:
                                                     (idle for --page-idle-seconds; engine/paging.py)
   whitney_page_{outs,ins}_total, whitney_page_{out,in}_seconds_total   runs paged out / in so far and the
                                                     time it took (rate of seconds / rate of count: mean time)
+  whitney_moment_reads_total, whitney_moment_read_seconds_total   AdamW moments read back at a paged-in
+                                                    run's first optimizer use, and the time it took
 Rates (tokens/s) are Prometheus's `rate()` of the counters.
 """
 
