@@ -66,6 +66,12 @@ def test_a_paging_server_gives_the_numbers_of_one_that_never_pages(make_server, 
     assert value(m, "whitney_page_in_seconds_total") > 0 and value(m, "whitney_page_out_seconds_total") > 0
     # Each optim_step after a page-in read the run's moments back (the forward_backwards before them did not).
     assert value(m, "whitney_moment_reads_total") >= 1 and value(m, "whitney_moment_read_seconds_total") > 0
+    for kind in ("page_out", "page_in", "moment_read"):  # histograms with the counters' counts and sums
+        name = f"whitney_{kind}_duration_seconds"
+        counted = value(m, f"whitney_{kind}s_total")
+        assert value(m, f"{name}_count") == value(m, f"{name}_bucket", le="+Inf") == counted
+        assert value(m, f"{name}_sum") == value(m, f"whitney_{kind}_seconds_total") > 0
+        assert value(m, f"{name}_bucket", le="0.01") <= value(m, f"{name}_bucket", le="5.0") <= counted
 
 
 def test_a_run_in_use_is_not_paged_out(make_server, tmp_path):

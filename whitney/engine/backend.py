@@ -30,7 +30,8 @@ no exception objects in results), so a backend can live in this process (`InProc
                                   scheduler's training thread calls it between engine calls
   residency()                     {"in_memory": runs, "paged_out": runs, "page_outs"/"page_ins"/"moment_reads":
                                   counts so far, "page_out_seconds"/"page_in_seconds"/"moment_read_seconds":
-                                  their total time}; from any thread
+                                  their total time, "page_out_histogram"/...: {upper bound: count}}; from any
+                                  thread
   close()                         stop the workers
   sampling                        sampling requests in flight (the metrics' batch occupancy)
   separate_sampling               True when sampling and scoring run apart from training (other workers):
@@ -201,7 +202,7 @@ class Backend(Protocol):
     def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]: ...
     def take_lost_runs(self) -> list[str]: ...
     def page_out_idle(self) -> int: ...
-    def residency(self) -> dict[str, float]: ...
+    def residency(self) -> dict: ...
     def close(self) -> None: ...
     @property
     def sampling(self) -> int: ...
@@ -354,7 +355,7 @@ class InProcessBackend(chat.TextMethods):
     def page_out_idle(self) -> int:
         return self.engine.page_out_idle()
 
-    def residency(self) -> dict[str, float]:
+    def residency(self) -> dict:
         return self.engine.residency()
 
     @property

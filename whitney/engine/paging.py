@@ -37,6 +37,7 @@ died are removed by the next engine that starts paging on the same `paging_dir`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import logging
@@ -46,7 +47,6 @@ import socket
 import sys
 import tempfile
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +69,10 @@ log = logging.getLogger("whitney.engine.paging")
 # AdamW moments left in their file at page-in.
 _COUNTERS = {"out": ("page_outs", "page_out_seconds"), "in": ("page_ins", "page_in_seconds"),
              "moments": ("moment_reads", "moment_read_seconds")}
+# ... and their times' histograms (in `residency`, {upper bound: count} each; the last bound "+Inf").
+_HISTOGRAMS = {"out": "page_out_histogram", "in": "page_in_histogram", "moments": "moment_read_histogram"}
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_BUCKET_NAMES = [repr(b) for b in SECONDS_BUCKETS] + ["+Inf"]
 
 # glibc's malloc_trim (None elsewhere): freed heap goes back to the system. glibc serves tensors below its
 # mmap threshold (which grows up to 32 MB as large blocks are freed) from the heap, and keeps what is freed.
@@ -158,8 +162,8 @@ class Pager:
         self.root = Path(directory) if directory else Path(tempfile.gettempdir()) / "whitney-paged"
         self.last_used: dict[str, float] = {}  # run id -> time.monotonic() of its last use
         self.paged: dict[str, PagedRun] = {}
-        self.seconds = {kind: deque(maxlen=1000) for kind in _COUNTERS}  # recent page-out/in/moments times
         self.totals = {name: 0 for names in _COUNTERS.values() for name in names}
+        self.histograms = {kind: [0] * len(_BUCKET_NAMES) for kind in _COUNTERS}  # counts per bucket (not cumulative)
         self.holds: list[tuple[str, SampleRequest]] = []  # sampling requests on runs' versions, not yet ended
         self.leaving: dict[str, Future] = {}  # run id -> its page-out's write, until `collect` finishes it
         self._writer: ThreadPoolExecutor | None = None  # the thread that writes page files, made at the first
@@ -272,12 +276,13 @@ class Pager:
                 break
         return paged, paged < len(run_ids)
 
-    def residency(self, runs: int) -> dict[str, float]:
+    def residency(self, runs: int) -> dict:
         """Runs in memory and paged out, of `runs` (one whose files are still being written is in memory:
-        its state is), and page-outs and page-ins so far with their total seconds (safe from another
-        thread: list() copies the dict's values in one step under the GIL)."""
+        its state is); page-outs, page-ins and moment reads so far, their total seconds and their seconds'
+        histograms (safe from another thread: list() copies the dict's values in one step under the GIL)."""
         paged = sum(1 for p in list(self.paged.values()) if p.written)
-        return {"in_memory": max(0, runs - paged), "paged_out": paged, **self.totals}
+        histograms = {_HISTOGRAMS[kind]: dict(zip(_BUCKET_NAMES, counts)) for kind, counts in self.histograms.items()}
+        return {"in_memory": max(0, runs - paged), "paged_out": paged, **self.totals, **histograms}
 
     def close(self) -> None:
         """Remove this engine's directory (its paged runs' state with it: call when the engine ends)."""
@@ -328,8 +333,8 @@ class Pager:
                     paged.path.unlink(missing_ok=True)
                     raise
                 optimizer = PagedMoments(self, moments_path, entries, optimizer.step, nbytes)
-        except OSError as e:
-            log.warning("could not page out run %s: %s", run_id, e)
+        except Exception as e:  # a full or unwritable disk above all; whatever it is, the run keeps its state
+            log.warning("could not page out run %s: %s", run_id, e, exc_info=not isinstance(e, OSError))
             return leaving
         paged.optimizer = optimizer
         paged.nbytes = total + _nbytes(optimizer)
@@ -401,7 +406,7 @@ class Pager:
 
     def _timed(self, kind: str, start: float, what: str) -> None:
         seconds = time.perf_counter() - start
-        self.seconds[kind].append(seconds)
+        self.histograms[kind][bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
         count, total = _COUNTERS[kind]
         self.totals[count] += 1
         self.totals[total] += seconds

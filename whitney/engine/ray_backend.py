@@ -467,10 +467,12 @@ class RayBackend(chat.TextMethods):
         self._next_page_sweep = time.monotonic() + 1.0
         return sum(self._each_trainer("page_out_idle"))
 
-    def residency(self) -> dict[str, float]:
-        """Runs in memory and paged out, page-outs and page-ins: summed over the trainers (replicas hold none)."""
+    def residency(self) -> dict:
+        """Runs in memory and paged out, page-outs and page-ins, their histograms' buckets: summed over the
+        trainers (replicas hold none)."""
         answers = self._each_trainer("residency") or [{"in_memory": 0, "paged_out": 0}]
-        return {key: sum(a[key] for a in answers) for key in answers[0]}
+        return {key: ({bucket: sum(a[key][bucket] for a in answers) for bucket in value} if isinstance(value, dict)
+                      else sum(a[key] for a in answers)) for key, value in answers[0].items()}
 
     def _each_trainer(self, method: str) -> list:
         """The method's answer from each trainer; one lost or restarting has no runs to count."""

@@ -118,7 +118,7 @@ class Engine:
         """Page out the runs untouched for `page_idle_seconds` (paging.py); how many."""
         return self.pager.page_out_idle()
 
-    def residency(self) -> dict[str, float]:
+    def residency(self) -> dict:
         """Runs in memory and paged out; page-outs and page-ins so far and their seconds (any thread)."""
         return self.pager.residency(len(self.runs))
 

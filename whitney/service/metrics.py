@@ -19,13 +19,16 @@ Read from the store and the backend at each scrape:
                                                     time it took (rate of seconds / rate of count: mean time)
   whitney_moment_reads_total, whitney_moment_read_seconds_total   AdamW moments read back at a paged-in
                                                     run's first optimizer use, and the time it took
+  whitney_{page_out,page_in,moment_read}_duration_seconds   histograms of each one's seconds (quantiles)
 Rates (tokens/s) are Prometheus's `rate()` of the counters.
 """
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from whitney.service.lifecycle import RUN_LIVE, OperationKind, OperationStatus, SessionStatus
 
@@ -113,3 +116,11 @@ class _Holdings:
             counter = CounterMetricFamily(f"whitney_{name}", text)
             counter.add_metric([], residency.get(name, 0))
             yield counter
+        for name, seconds, text in (("page_out", "page_out_seconds", "Seconds each page-out took"),
+                                    ("page_in", "page_in_seconds", "Seconds each page-in took"),
+                                    ("moment_read", "moment_read_seconds", "Seconds each read of AdamW moments took")):
+            counts = residency.get(f"{name}_histogram")
+            if counts:  # {upper bound: count}, the last "+Inf": Prometheus wants them cumulative
+                cumulative = list(zip(counts, itertools.accumulate(counts.values())))
+                yield HistogramMetricFamily(f"whitney_{name}_duration_seconds", text, buckets=cumulative,
+                                            sum_value=residency.get(seconds, 0.0))
