@@ -221,6 +221,21 @@ def test_seq_id_order_and_cross_run_batches(fake):
     assert done[2]["result"]["loss"] == 3.0 and done[3]["result"]["loss"] == 4.0
 
 
+def test_an_optim_step_behind_a_forward_backward_runs_before_the_next_engine_call(fake):
+    """The optim_step a client submits behind its forward_backward becomes ready when that engine call ends;
+    it runs right then, not after the next engine call (another run's forward_backward that became ready too)."""
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    open_run("b")
+    with scheduler._lock:
+        ops = [submit("a", 0, "forward_backward", fb(2)), submit("a", 1, "optim_step", OptimJob(AdamParams())),
+               submit("b", 0, "forward_backward", fb(3)), submit("b", 1, "forward_backward", fb(4))]
+    assert [wait(scheduler.store, op)["status"] for op in ops] == ["succeeded"] * 4
+    order = [c[0] if c[0] != "run_batch" else sorted(r for r, *_ in c[1]) for c in backend.calls
+             if c[0] in ("run_batch", "optim_step")]
+    assert order == [["a", "b"], "optim_step", ["b"]], order
+
+
 def test_large_operation_in_micro_batches_with_a_staged_gradient(fake):
     backend, scheduler, open_run, submit = fake
     open_run("a")

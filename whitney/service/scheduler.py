@@ -319,8 +319,10 @@ class Scheduler:
 
     def _run_training(self) -> bool:
         """One engine call of ready forward/forward_backward work (fairly shared), then every ready
-        operation of the other kinds. An operation that ended while queued (its run cancelled: the store's
-        RUNNING move refuses it) is skipped, and its run's order moves on."""
+        operation of the other kinds, counting those the engine call made ready (the optim_step submitted
+        behind each forward_backward: it goes now, not after the next engine call). An operation that ended
+        while queued (its run cancelled: the store's RUNNING move refuses it) is skipped, and its run's order
+        moves on."""
         ready = self._ready()
         if not ready:
             self._training_seconds = 0.0
@@ -329,6 +331,7 @@ class Scheduler:
         batched = [item for item in ready if isinstance(item[2], ForwardJob)]
         if batched:
             self._run_batch(batched)
+            ready = self._ready()
         singles = [(op, job) for _, op, job in ready if not isinstance(job, ForwardJob)]
         if singles:
             self._run_singles(singles)
