@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from whitney.engine import DEFAULT_MODEL
+from whitney.engine.model import cpu_bf16_matmul
 
 
 def machine() -> dict:
@@ -28,19 +29,13 @@ def machine() -> dict:
                     break
     except OSError:
         pass
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
-        "avx512_bf16": "avx512_bf16" in flags,
+        "avx512_bf16": cpu_bf16_matmul(),  # or AMX: bfloat16 matmuls in hardware
         "load_average": list(os.getloadavg()),
     }
 

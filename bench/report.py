@@ -278,7 +278,7 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "",
         "## Machine",
         "",
-        f"- CPU: {m.get('cpu', '?')}, {m.get('cores', '?')} cores (AVX-512 BF16: {m.get('avx512_bf16', '?')})",
+        f"- CPU: {m.get('cpu', '?')}, {m.get('cores', '?')} cores (bfloat16 matmuls in hardware, AVX-512 BF16 or AMX: {m.get('avx512_bf16', '?')})",
         f"- torch {m.get('torch', '?')} ({m.get('torch_threads', '?')} threads), Python {m.get('python', '?')}",
         "- dtype of every side of each comparison (Whitney's compute dtype, and HF/PEFT's load dtype): "
         + ", ".join(f"{n}: {r.get('dtype', r.get('settings', {}).get('dtype', '?'))}" for n, r in results.items())

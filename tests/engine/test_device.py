@@ -16,6 +16,7 @@ import torch
 
 from tests.engine.test_opsd import rows_for_engine, to_datum
 from whitney.engine import Datum, Engine, LoraConfig
+from whitney.engine import model as model_module
 from whitney.engine.model import load_base_model, resolve_compute_dtype, resolve_device
 from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput
@@ -42,6 +43,19 @@ def test_device_names_resolve_and_bad_ones_are_refused():
     assert resolve_compute_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     engine = Engine(device="cpu")
     assert engine.device == torch.device("cpu") and engine.compute_dtype_name == "float32"
+
+
+@pytest.mark.parametrize("in_hardware", [True, False])
+def test_bfloat16_on_a_cpu_without_bfloat16_matmuls_is_warned_of(in_hardware, monkeypatch, caplog):
+    """Without AVX-512 BF16 or AMX torch emulates bfloat16 GEMM (about 100x slower than float32): said once,
+    when the engine's dtype is resolved; on the GPU, or with the instructions, nothing is said."""
+    monkeypatch.setattr(model_module, "cpu_bf16_matmul", lambda: in_hardware)
+    with caplog.at_level("WARNING", logger="whitney.engine.model"):
+        assert resolve_compute_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+        assert resolve_compute_dtype("bfloat16", torch.device("cuda", 0)) == torch.bfloat16
+        assert resolve_compute_dtype("float32", torch.device("cpu")) == torch.float32
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == (0 if in_hardware else 1) and all("AVX-512 BF16" in w for w in warned)
 
 
 def test_cli_device_flag_reaches_the_engine_config():
