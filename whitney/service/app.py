@@ -193,20 +193,27 @@ class AllowedMethods:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        methods = path_methods(scope["app"].routes, scope) if scope["type"] == "http" else set()
-        if not methods:  # not HTTP, or no such path (the app's 404)
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        allow = ", ".join(sorted(methods | {"OPTIONS"}))
         if scope["method"] == "OPTIONS":
-            return await Response(status_code=204, headers={"Allow": allow})(scope, receive, send)
+            methods = path_methods(scope["app"].routes, scope)
+            if not methods:  # no such path: the app's 404
+                return await self.app(scope, receive, send)
+            return await Response(status_code=204, headers={"Allow": _allow(methods)})(scope, receive, send)
+        asked = dict(scope)  # as it came: the router adds to the scope it passes on
 
-        async def send_allow(message):
+        async def send_allow(message):  # the path's methods are matched only for a 405 (not on every request)
             if message["type"] == "http.response.start" and message["status"] == 405:
+                allow = _allow(path_methods(asked["app"].routes, asked))
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"allow"]
                 message = {**message, "headers": [*headers, (b"allow", allow.encode())]}
             await send(message)
 
         await self.app(scope, receive, send_allow)
+
+
+def _allow(methods: set[str]) -> str:
+    return ", ".join(sorted(methods | {"OPTIONS"}))
 
 
 def path_methods(routes, scope) -> set[str]:
