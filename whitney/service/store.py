@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
-from sqlalchemy import create_engine, event, func, or_, select, update
+from sqlalchemy import create_engine, event, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -160,14 +160,15 @@ class Store:
         itself, and a connection held across it would let many concurrent submissions exhaust the pool.
         The unique (run, seq_id) constraint, not a long transaction, is what makes a racing retry safe.
         """
-        row = OperationRow(id=new_id("op"), owner=owner, run_id=run_id, seq_id=seq_id, kind=OperationKind(kind),
-                           body_digest=body_digest, status=OperationStatus.QUEUED, created_at=time.time())
-        if run_id is not None:
-            with self.tx() as db:
-                run = db.get(RunRow, run_id)
+        row = {"id": new_id("op"), "owner": owner, "run_id": run_id, "seq_id": seq_id, "kind": OperationKind(kind),
+               "body_digest": body_digest, "status": OperationStatus.QUEUED, "result": None, "error": None,
+               "created_at": time.time(), "started_at": None, "finished_at": None}
+        if run_id is not None:  # Core statements throughout: every operation passes here
+            with self.engine.connect() as conn:
+                run = conn.execute(select(RunRow.owner, RunRow.status).where(RunRow.id == run_id)).first()
                 if run is None or run.owner != owner:
                     raise NotFound(f"run {run_id!r} does not exist", field="run_id")
-                existing = self._same_operation(db, run_id, seq_id, kind, body_digest)
+                existing = self._same_operation(conn, run_id, seq_id, kind, body_digest)
                 if existing is not None:
                     return existing, False
                 if run.status != RunStatus.ACTIVE:
@@ -175,34 +176,35 @@ class Store:
         if admit is not None:
             admit()
         try:
-            with self.tx() as db:
-                db.add(row)
-            return _row_dict(row), True
+            with self.engine.begin() as conn:
+                conn.execute(insert(OperationRow), [row])
+            return row, True
         except IntegrityError:  # the same (run, seq_id) committed by a racing request
-            with self.tx() as db:
-                existing = self._same_operation(db, run_id, seq_id, kind, body_digest)
+            with self.engine.connect() as conn:
+                existing = self._same_operation(conn, run_id, seq_id, kind, body_digest)
             if existing is None:
                 raise
             return existing, False
 
     @staticmethod
-    def _same_operation(db, run_id: str, seq_id: int, kind: str, body_digest: str) -> dict | None:
+    def _same_operation(conn, run_id: str, seq_id: int, kind: str, body_digest: str) -> dict | None:
         """The operation at (run, seq_id), if any, when it is the same request; a Conflict when it is not."""
-        existing = db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
-                                                         OperationRow.seq_id == seq_id)).first()
+        existing = conn.execute(select(OperationRow.__table__).where(OperationRow.run_id == run_id,
+                                                                     OperationRow.seq_id == seq_id)).mappings().first()
         if existing is None:
             return None
-        if existing.body_digest != body_digest or existing.kind != kind:
+        if existing["body_digest"] != body_digest or existing["kind"] != kind:
             raise Conflict(f"seq_id {seq_id} of run {run_id!r} was already used for a different "
-                           f"{existing.kind} request", field="seq_id")
-        return _row_dict(existing)
+                           f"{existing['kind']} request", field="seq_id")
+        return dict(existing)
 
     def get_operation(self, op_id: str, owner: str | None = None) -> dict:
-        with self.tx() as db:
-            row = db.get(OperationRow, op_id)
-            if row is None or (owner is not None and row.owner != owner):
-                raise NotFound(f"operation {op_id!r} does not exist", field="operation_id")
-            return _row_dict(row)
+        """The operation's row (a Core read: every long-poll asks, so none of the ORM's loading)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(OperationRow.__table__).where(OperationRow.id == op_id)).mappings().first()
+        if row is None or (owner is not None and row["owner"] != owner):
+            raise NotFound(f"operation {op_id!r} does not exist", field="operation_id")
+        return dict(row)
 
     def find_operation(self, run_id: str, seq_id: int) -> dict | None:
         with self.tx() as db:
@@ -236,11 +238,17 @@ class Store:
             if status in OPERATION_TERMINAL:
                 values.update(finished_at=now, result=result, error=error)
             rows.append((op_id, status, result, error, values))
-        with self.tx() as db:
+        starts = [op_id for op_id, status, *_ in rows if status == OperationStatus.RUNNING]
+        with self.engine.begin() as conn:  # Core statements: none of the ORM's per-row bookkeeping
+            started = {r.id: r for r in conn.execute(update(OperationRow).where(  # the starts: one statement
+                OperationRow.id.in_(starts), OperationRow.status.in_(sources(OPERATION_MOVES, OperationStatus.RUNNING))
+            ).values(status=OperationStatus.RUNNING, started_at=now).returning(
+                OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at))} if starts else {}
             for op_id, status, result, error, values in rows:
-                ended.append(db.execute(update(OperationRow).where(OperationRow.id == op_id, OperationRow.status.in_(
-                    sources(OPERATION_MOVES, status))).values(**values).returning(
-                    OperationRow.kind, OperationRow.created_at, OperationRow.started_at)).first())
+                ended.append(started.get(op_id) if status == OperationStatus.RUNNING else conn.execute(
+                    update(OperationRow).where(OperationRow.id == op_id, OperationRow.status.in_(
+                        sources(OPERATION_MOVES, status))).values(**values).returning(
+                        OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at)).first())
         for (_, status, result, error, _), row in zip(rows, ended):
             if row is not None and status in OPERATION_TERMINAL:
                 self._observe(row.kind, status, row.created_at, row.started_at, now, result, error)
