@@ -21,7 +21,7 @@ from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailab
 from whitney.service import handlers, schemas, tinker
 from whitney.service.bodies import read_body, replaying
 from whitney.service.console import create_console
-from whitney.service.deps import ServiceState, Unauthorized
+from whitney.service.deps import ServiceState, Unauthorized, new_app
 from whitney.service.keys import KeyGate, KeyLimits, KeyRing
 from whitney.service.limits import Limits
 from whitney.service.metrics import Metrics
@@ -98,7 +98,7 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
         scheduler.stop()
         backend.close()
 
-    app = FastAPI(title="Whitney", version="0.1.0", lifespan=lifespan,
+    app = new_app(title="Whitney", version="0.1.0", lifespan=lifespan,
                   description="Fine-tuning through training primitives: many LoRA runs on one base model.")
     keys = KeyRing(store, list(config.api_keys), config.require_keys)
     app.state.whitney = ServiceState(store, scheduler, shown, keys, data_dir, config.limits,

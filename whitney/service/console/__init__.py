@@ -26,7 +26,7 @@ from whitney.service.console import pages
 from whitney.service.console.auth import SignIn, wants_page
 from whitney.service.console.pages import templates
 from whitney.service.console.server import Throughput
-from whitney.service.deps import ServiceState
+from whitney.service.deps import ServiceState, new_app
 
 HERE = Path(__file__).resolve().parent
 # Scripts only from our own files (no inline script, no other origin); the playground's requests go to
@@ -38,7 +38,7 @@ POLICY = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inlin
 def create_console(state: ServiceState, status: dict[type, int]) -> FastAPI:
     """The console app, to be mounted at /console on the service's app; `status` maps the domain errors
     to HTTP statuses, as the API does."""
-    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app = new_app(openapi_url=None, docs_url=None, redoc_url=None)
     app.state.whitney = state
     app.state.throughput = Throughput(state.metrics)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from whitney.errors import InvalidInput, NotFound, TooLarge
 from whitney.service import handlers, schemas
-from whitney.service.deps import ServiceState, Unauthorized
+from whitney.service.deps import ServiceState, Unauthorized, new_app
 from whitney.service.quotas import QuotaExceeded
 from whitney.service.tinker import account, custom_loss, futures, lifecycle, runs, sampling, session, training
 from whitney.service.tinker.common import TinkerState
@@ -36,7 +36,7 @@ ERRORS = {status: {"model": schemas.Error, "description": text} for status, text
 
 
 def create_tinker_app(state: ServiceState) -> FastAPI:
-    app = FastAPI(title="Whitney: Tinker protocol", version="0.38",
+    app = new_app(title="Whitney: Tinker protocol", version="0.38",
                   description="The subset of Tinker's /api/v1 that the tinker SDK 0.38 uses.")
     app.state.whitney = state
     app.state.tinker = TinkerState()
