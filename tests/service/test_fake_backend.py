@@ -236,6 +236,23 @@ def test_an_optim_step_behind_a_forward_backward_runs_before_the_next_engine_cal
     assert order == [["a", "b"], "optim_step", ["b"]], order
 
 
+def test_an_engine_calls_ends_are_stored_with_the_optim_steps_it_made_ready(fake, monkeypatch):
+    """The forward_backward's end is held while the optim_step behind it runs (its client, woken, would send
+    its next requests meanwhile), then both are stored in one transaction, each with its own end time."""
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    seen = []
+    steps = backend.optim_steps
+    monkeypatch.setattr(backend, "optim_steps", lambda s: (seen.append(scheduler.store.get_operation(ops[0]["id"])),
+                                                           steps(s))[1])
+    with scheduler._lock:
+        ops = [submit("a", 0, "forward_backward", fb(2)), submit("a", 1, "optim_step", OptimJob(AdamParams()))]
+    done = [wait(scheduler.store, op) for op in ops]
+    assert [op["status"] for op in done] == ["succeeded"] * 2
+    assert [op["status"] for op in seen] == ["running"], "the forward_backward's end waited for the optim_step"
+    assert done[0]["started_at"] <= done[0]["finished_at"] <= done[1]["started_at"] <= done[1]["finished_at"]
+
+
 def test_large_operation_in_micro_batches_with_a_staged_gradient(fake):
     backend, scheduler, open_run, submit = fake
     open_run("a")

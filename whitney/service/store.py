@@ -224,11 +224,14 @@ class Store:
         False changes nothing: an operation that ended (cancelled with its run) never starts or ends again."""
         return self.set_operations([(op_id, status, result, error)])[0]
 
-    def set_operations(self, moves: list[tuple[str, OperationStatus, dict | None, dict | None]]) -> list[bool]:
+    def set_operations(self, moves: list[tuple[str, OperationStatus, dict | None, dict | None]],
+                       ended_at: list[float | None] | None = None) -> list[bool]:
         """`set_operation` for each (op_id, status, result, error), all in one transaction (the scheduler's
-        batch of starts or ends: one commit, not one per operation); whether each moved."""
+        batch of starts or ends: one commit, not one per operation); whether each moved. `ended_at`: each
+        end's time.time() where it ended before this write (the scheduler holds some ends for one commit);
+        None: now."""
         now, rows, ended = time.time(), [], []
-        for op_id, status, result, error in moves:
+        for (op_id, status, result, error), at in zip(moves, ended_at or [None] * len(moves)):
             status = OperationStatus(status)
             if status in OPERATION_TERMINAL and op_id in self.at_end:
                 result = self.at_end.pop(op_id)(status, result)
@@ -236,7 +239,7 @@ class Store:
             if status == OperationStatus.RUNNING:
                 values["started_at"] = now
             if status in OPERATION_TERMINAL:
-                values.update(finished_at=now, result=result, error=error)
+                values.update(finished_at=now if at is None else at, result=result, error=error)
             rows.append((op_id, status, result, error, values))
         starts = [op_id for op_id, status, *_ in rows if status == OperationStatus.RUNNING]
         with self.engine.begin() as conn:  # Core statements: none of the ORM's per-row bookkeeping
@@ -249,9 +252,9 @@ class Store:
                     update(OperationRow).where(OperationRow.id == op_id, OperationRow.status.in_(
                         sources(OPERATION_MOVES, status))).values(**values).returning(
                         OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at)).first())
-        for (_, status, result, error, _), row in zip(rows, ended):
+        for (_, status, result, error, values), row in zip(rows, ended):
             if row is not None and status in OPERATION_TERMINAL:
-                self._observe(row.kind, status, row.created_at, row.started_at, now, result, error)
+                self._observe(row.kind, status, row.created_at, row.started_at, values["finished_at"], result, error)
         return [row is not None for row in ended]
 
     def _observe(self, *ended) -> None:
