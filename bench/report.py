@@ -285,13 +285,16 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         + ". In bfloat16 mode Whitney keeps LoRA weights, gradients, optimizer state, log-probs and losses in "
         "float32 (PEFT keeps its adapters in float32 too).",
         "- load average (1/5/15 min) when each benchmark started and ended, since other processes may share "
-        "the CPU:",
+        "the CPU (and the machine, where a benchmark last ran on another one than the above):",
     ]
     for name, r in results.items():
         la, lb = r.get("machine", {}).get("load_average"), r.get("load_average_after")
+        own = {k: r.get("machine", {}).get(k) for k in ("cpu", "cores", "avx512_bf16")}
+        other = ("" if own == {k: m.get(k) for k in own} else f"; on {own['cpu']}, {own['cores']} cores, "
+                 f"bfloat16 matmuls in hardware: {own['avx512_bf16']}")
         if la and lb:
             lines.append(f"  - {name}: {' / '.join(f'{x:.2f}' for x in la)} -> {' / '.join(f'{x:.2f}' for x in lb)} "
-                         f"({r.get('elapsed_s', 0):.0f} s, finished {r.get('finished_at', '?')})")
+                         f"({r.get('elapsed_s', 0):.0f} s, finished {r.get('finished_at', '?')}{other})")
     lines += ["", "## Results", "", "| measured | ratio | target | result |", "| --- | --- | --- | --- |"]
     for name, r in results.items():
         if "error" in r:
