@@ -24,7 +24,6 @@ from whitney.engine.lora import Adapter
 from whitney.engine.model import UNEMBED, BaseModel
 
 
-
 def _row_block_cpu() -> int:
     """Rows per block on this CPU, by its vector instructions (fixed per machine, so every process on it
     blocks alike and sums alike). Measured with 2 cores, vocab 49,152, float32 fused forward + gradient:

@@ -339,8 +339,11 @@ class Scheduler:
             held, held_at = self._run_batch(batched), time.time()
             ready = self._ready()
         singles = [(op, job) for _, op, job in ready if not isinstance(job, ForwardJob)]
-        ends = self._run_singles(singles) if singles else []
-        self._finish_all(held + ends, [held_at] * len(held) + [None] * len(ends))
+        ends = []
+        try:
+            ends = self._run_singles(singles) if singles else []
+        finally:  # the engine call's ends are stored even if a bug stopped the rest
+            self._finish_all(held + ends, [held_at] * len(held) + [None] * len(ends))
         for op, _, _ in ends:
             self._advance(op)
         self._training_seconds = time.monotonic() - start
