@@ -1,11 +1,13 @@
 """The scheduler's bookkeeping: a run's queue of operations by seq_id, an operation part-way through its
-micro-batches, a compute_logprobs request scored chunk by chunk, a worker thread's lane of calls, and a
-streaming sample's reports on their way to the HTTP request that waits for them."""
+micro-batches, a compute_logprobs request scored chunk by chunk, a worker thread's lane of calls, a
+streaming sample's reports on their way to the HTTP request that waits for them, and an ended operation's
+store move."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -14,8 +16,11 @@ from whitney.engine import ForwardResult
 from whitney.engine.backend import Backend, Failure, Weights
 from whitney.engine.sampler import SampleProgress, SampleResult
 from whitney.service.jobs import Job, sample_result_dict
+from whitney.service.lifecycle import OperationStatus
 from whitney.service.images import known_length
 from whitney.service.limits import plan_micro_batches
+
+log = logging.getLogger("whitney.scheduler")
 
 
 @dataclass
@@ -132,3 +137,15 @@ def sample_result(result: SampleResult) -> dict:
         if sequence.top_logprobs is not None:
             wire["top_logprobs"] = sequence.top_logprobs
     return out
+
+
+def end_move(operation: dict, result: dict | None, error: BaseException | Failure | None) -> tuple:
+    """The store move (op_id, status, result, error) of an operation that ended with `result` or `error`
+    (an error of the server's own is logged, with its traceback where there is one)."""
+    if error is None:
+        return operation["id"], OperationStatus.SUCCEEDED, result, None
+    failure = error if isinstance(error, Failure) else Failure.of(error)
+    if failure.category == "server":
+        log.error("operation %s (%s) failed: %s", operation["id"], operation["kind"], failure.message,
+                  exc_info=error if isinstance(error, BaseException) else None)
+    return operation["id"], OperationStatus.FAILED, None, failure.to_dict()

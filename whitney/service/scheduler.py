@@ -7,12 +7,12 @@ most `max_batch_tokens` tokens, shared max-min fairly between the runs (`limits.
 an operation larger than its share runs as several micro-batches, one per engine call, its gradient
 staged in the backend until the last one succeeded, with other runs' work in between. Every other
 ready optim_step of every run goes in one backend call (`optim_steps`), every other operation runs alone;
-a batch's starts and ends are each one store transaction. Between training iterations the worker decodes
-until sampling has had as much time as the last training iteration (at least one step; a sample submitted
-meanwhile joins at the next step) and scores (compute_logprobs) one chunk, so neither training nor sampling
-starves the other. A backend whose
-sampling runs apart from training (`separate_sampling`: the Ray backend's sampler workers) gets a second
-thread for sampling and scoring instead, so neither waits for the other. Runs the backend lost with a
+a batch's starts are one store statement, a turn's ends one transaction. Between training iterations the
+worker decodes until sampling has had as much time as the last training iteration (at least one step; a
+sample submitted meanwhile joins at the next step) and scores (compute_logprobs) one chunk, so neither
+training nor sampling starves the other. A backend whose sampling runs apart from training
+(`separate_sampling`: the Ray backend's sampler workers) gets a second thread for sampling and scoring
+instead, so neither waits for the other. Runs the backend lost with a
 dying worker are interrupted and their waiting operations fail with `worker_lost`. Each terminal
 state is written to the store, then waiters are woken. A streaming sample's new tokens go to its
 listener (`SampleStream`) as each sampling step reports them; its end follows the stored result.
@@ -37,7 +37,7 @@ from whitney.service.lifecycle import (OPERATION_TERMINAL, RUN_OPEN, OperationKi
                                        SessionStatus)
 from whitney.service.limits import plan_micro_batches
 from whitney.service.packages import reap
-from whitney.service.queues import Lane, Progress, RunQueue, SampleStream, Scoring, sample_result
+from whitney.service.queues import Lane, Progress, RunQueue, SampleStream, Scoring, end_move, sample_result
 from whitney.service.saves import execute
 from whitney.service.store import Store
 
@@ -126,7 +126,7 @@ class Scheduler:
             try:
                 self.backend.submit_sample(operation["id"], prompt, params, weights, stream=stream)
             except BaseException as e:
-                self._finish(operation, error=e)
+                self._finish_all([(operation, None, e)])
                 return
             self.store.set_operation(operation["id"], OperationStatus.RUNNING)
             self._samples[operation["id"]] = operation
@@ -206,26 +206,12 @@ class Scheduler:
         for loop, future in waiters:
             loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
 
-    def _finish(self, operation: dict, result: dict | None = None,
-                error: BaseException | Failure | None = None) -> None:
-        self._finish_all([(operation, result, error)])
-
     def _finish_all(self, ends: list[tuple[dict, dict | None, BaseException | Failure | None]],
                     ended_at: list[float | None] | None = None) -> None:
-        """Each (operation, result, error) stored, all in one transaction (`ended_at`: when each ended, if
-        before now); then waiters and listeners woken."""
-        moves = []
-        for operation, result, error in ends:
-            if error is None:
-                moves.append((operation["id"], OperationStatus.SUCCEEDED, result, None))
-                continue
-            failure = error if isinstance(error, Failure) else Failure.of(error)
-            if failure.category == "server":
-                log.error("operation %s (%s) failed: %s", operation["id"], operation["kind"], failure.message,
-                          exc_info=error if isinstance(error, BaseException) else None)
-            moves.append((operation["id"], OperationStatus.FAILED, None, failure.to_dict()))
-        if moves:
-            self.store.set_operations(moves, ended_at)
+        """Each (operation, result, error) stored in one transaction (`ended_at`: each one's end, if earlier);
+        then waiters and listeners woken."""
+        if ends:
+            self.store.set_operations([end_move(*end) for end in ends], ended_at)
         for operation, _, _ in ends:
             self._notify(operation["id"])
             with self._lock:
@@ -321,13 +307,11 @@ class Scheduler:
 
     def _run_training(self) -> bool:
         """One engine call of ready forward/forward_backward work (fairly shared), then every ready
-        operation of the other kinds, counting those the engine call made ready (the optim_step submitted
-        behind each forward_backward: it goes now, not after the next engine call). The engine call's ends
-        are stored with the others', in one transaction, each with its own end time: its clients, woken
-        together, do not send their next requests while those optim_steps run (measured with 32 clients on
-        2 cores: optim_steps 2-5x slower under that burst of requests). An operation that ended while
-        queued (its run cancelled: the store's RUNNING move refuses it) is skipped, and its run's order
-        moves on."""
+        operation of the other kinds, counting those the engine call made ready (the optim_step behind each
+        forward_backward goes now, not after the next engine call). All their ends are stored in one
+        transaction, each with its own end time: the woken clients' next requests do not slow those
+        optim_steps (2-5x under 32 clients on 2 cores). An operation that ended while queued (its run
+        cancelled: the store refuses its RUNNING move) is skipped, and its run's order moves on."""
         ready = self._ready()
         if not ready:
             self._training_seconds = 0.0
@@ -339,10 +323,10 @@ class Scheduler:
             held, held_at = self._run_batch(batched), time.time()
             ready = self._ready()
         singles = [(op, job) for _, op, job in ready if not isinstance(job, ForwardJob)]
-        ends = []
+        ends = []  # the engine call's ends are stored even if a bug stops the rest
         try:
             ends = self._run_singles(singles) if singles else []
-        finally:  # the engine call's ends are stored even if a bug stopped the rest
+        finally:
             self._finish_all(held + ends, [held_at] * len(held) + [None] * len(ends))
         for op, _, _ in ends:
             self._advance(op)
@@ -352,8 +336,7 @@ class Scheduler:
     def _run_batch(self, ready: list[tuple[RunQueue, dict, ForwardJob]]) -> list[tuple[dict, dict | None, Failure | None]]:
         """One engine call: the least recently served run's kind (forward or forward_backward), and the
         ready operations of that kind, each whole or a micro-batch of it (`plan_micro_batches`). Returns the
-        operations it ended, (operation, result, failure), for the caller to store; their runs' orders have
-        moved on."""
+        (operation, result, failure) it ended, for the caller to store; their runs' orders moved on."""
         ready.sort(key=lambda item: item[0].served)
         kind = ready[0][1]["kind"]
         items = [item for item in ready if item[1]["kind"] == kind]
@@ -419,9 +402,8 @@ class Scheduler:
         return ends
 
     def _run_singles(self, items: list[tuple[dict, Job]]) -> list[tuple[dict, dict | None, BaseException | Failure | None]]:
-        """Ready operations other than forwards, of different runs: started in one store transaction, every
-        optim_step in one backend call (`optim_steps`), loads and saves one by one. Returns the operations
-        that ended, for the caller to store (then it moves their runs' orders on)."""
+        """Ready operations other than forwards, of different runs: started in one store statement, every
+        optim_step in one backend call (`optim_steps`), loads and saves one by one; returns their ends."""
         moved = self.store.set_operations([(op["id"], OperationStatus.RUNNING, None, None) for op, _ in items])
         ends, steps = [], []
         for (op, job), ok in zip(items, moved):
@@ -494,9 +476,9 @@ class Scheduler:
             self.store.set_operation(job.operation["id"], OperationStatus.RUNNING)
         error = job.score_chunk(self.backend, self.max_batch_tokens)
         if error is not None:
-            self._finish(job.operation, error=error)
+            self._finish_all([(job.operation, None, error)])
         elif job.done == len(job.sequences):
-            self._finish(job.operation, result={"logprobs": job.logprobs})
+            self._finish_all([(job.operation, {"logprobs": job.logprobs}, None)])
         else:
             with self._lock:
                 self._scoring.append(job)
