@@ -318,7 +318,7 @@ class Scheduler:
             return False
         start = time.monotonic()
         batched = [item for item in ready if isinstance(item[2], ForwardJob)]
-        held, held_at = [], time.time()
+        held, held_at = [], 0.0
         if batched:
             held, held_at = self._run_batch(batched), time.time()
             ready = self._ready()

@@ -235,9 +235,7 @@ class Store:
             status = OperationStatus(status)
             if status in OPERATION_TERMINAL and op_id in self.at_end:
                 result = self.at_end.pop(op_id)(status, result)
-            values: dict = {"status": status}
-            if status == OperationStatus.RUNNING:
-                values["started_at"] = now
+            values: dict = {"status": status}  # a start's values: the one statement below
             if status in OPERATION_TERMINAL:
                 values.update(finished_at=now if at is None else at, result=result, error=error)
             rows.append((op_id, status, result, error, values))
