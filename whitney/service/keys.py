@@ -167,6 +167,10 @@ class KeyRing:
         return row
 
 
+# Where KeyGate leaves the owner it checked, so the routes' Owner dependency does not check the key again.
+OWNER_SCOPE_KEY = "whitney.owner"
+
+
 class KeyGate:
     """ASGI middleware: with keys on, every path but OPEN_PATHS needs a valid key, before any routing. So
     the OpenAPI documents, /docs, the Tinker sub-app and unknown paths are covered as the routes are. The
@@ -182,7 +186,8 @@ class KeyGate:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            self.keys.owner(presented_key(headers.get("authorization"), headers.get("x-api-key")))
+            scope[OWNER_SCOPE_KEY] = self.keys.owner(presented_key(headers.get("authorization"),
+                                                                  headers.get("x-api-key")))
         except Unauthorized as e:
             challenge = 'Bearer error="invalid_token"' if e.field == "token" else "Bearer"  # the SDK then re-exchanges
             response = JSONResponse(status_code=401, content=e.to_dict(), headers={"WWW-Authenticate": challenge})

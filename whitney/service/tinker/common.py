@@ -60,7 +60,7 @@ class TinkerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def tinker_state(request: Request) -> TinkerState:
+async def tinker_state(request: Request) -> TinkerState:  # async: no thread hop (deps.py)
     return request.app.state.tinker
 
 
