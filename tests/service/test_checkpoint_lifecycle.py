@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 
 from tests.service.test_flow import ADAM, expect, fb_body, succeeded, until
 from whitney.errors import Conflict, NotFound
@@ -182,6 +182,7 @@ def test_a_database_of_the_previous_schema_is_migrated(db_url, tmp_path):
     old = Store(db_url)
     with old.engine.begin() as conn:
         conn.execute(text("DROP INDEX ix_sessions_project_id"))
+        conn.execute(text("DROP INDEX ix_operations_owner_status"))
         for table, column in (("sessions", "tags"), ("sessions", "project_id"), ("sessions", "display_name"),
                               ("model_packages", "expires_at"), ("model_packages", "readers"),
                               ("model_packages", "public"), ("model_packages", "user_metadata")):
@@ -202,6 +203,7 @@ def test_a_database_of_the_previous_schema_is_migrated(db_url, tmp_path):
     assert packages.acquire(store, package["path"]) and packages.reap(store, now=time.time() + 10**9) == []
     assert projects.label(store, "ses-old", "me", tags=["t"], project_id="p")["project_id"] == "p"
     assert [s["id"] for s in projects.find_sessions(store, "me", project_ids=["p"])] == ["ses-old"]
+    assert "ix_operations_owner_status" in {i["name"] for i in inspect(store.engine).get_indexes("operations")}
     Store(db_url)  # opening it again changes nothing
 
 

@@ -189,6 +189,34 @@ def test_admit_runs_for_new_operations_only_and_its_refusal_stores_nothing(store
     assert calls == ["refuse", "ok"]
 
 
+def test_pending_before_counts_the_owners_queued_and_running_unless_a_later_seq_id_waits(store):
+    """The queue limit's count: queued and running operations of the owner only (ended ones, another owner's
+    and sampling ones of another owner not), or None when a later seq_id of the run is queued already."""
+    run_id, other = new_run(store), new_run(store, owner="you")
+    assert store.pending_before("me", run_id, 0) == 0 and store.pending_before("me", None, None) == 0
+    ops = [store.submit_operation("me", run_id, seq, OperationKind.FORWARD, f"d{seq}")[0]["id"] for seq in (0, 1)]
+    store.submit_operation("you", other, 0, OperationKind.FORWARD, "d")
+    new_operation(store)  # a sampling one of "me", queued
+    assert store.pending_before("me", run_id, 2) == 3 and store.pending_before("me", None, None) == 3
+    assert store.pending_before("me", run_id, 0) is None  # seq_id 1 waits for seq_id 0
+    assert store.set_operation(ops[0], OperationStatus.RUNNING)
+    assert store.pending_before("me", run_id, 2) == 3  # running still counts
+    assert store.set_operation(ops[0], OperationStatus.SUCCEEDED)
+    assert store.set_operation(ops[1], OperationStatus.RUNNING) and store.set_operation(ops[1], OperationStatus.FAILED)
+    assert store.pending_before("me", run_id, 2) == 1 == store.usage("me")["operations"]
+    assert store.pending_before("you", other, 1) == 1
+
+
+def test_the_queue_count_reads_an_index_of_owner_and_status_not_the_owners_history(store):
+    """Every submission counts its owner's pending operations: by the (owner, status) index."""
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("EXPLAIN QUERY PLAN is SQLite's")
+    with store.engine.connect() as conn:
+        plan = " ".join(str(row[-1]) for row in conn.execute(text(
+            "EXPLAIN QUERY PLAN SELECT count(*) FROM operations WHERE owner = 'me' AND status IN ('queued', 'running')")))
+    assert "ix_operations_owner_status" in plan, plan
+
+
 def test_many_concurrent_submissions_with_a_quota_check_that_reads_the_store(store):
     """`admit` reads the store (as the quotas do): were a connection held across it, 40 submissions at once
     would each hold one of the pool's 15 and wait for a second until the pool's 30 s timeout (a 500 each)."""

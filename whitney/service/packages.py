@@ -12,8 +12,8 @@ Visibility: a package is its owner's; a public one is readable (load, sample, do
 never writable (delete, TTL, publish, metadata) by another. Past its `expires_at` a package reads 404 at
 once, and the reaper (the scheduler's idle tick, every few seconds) removes its files and its row.
 
-`migrate` adds the columns this version added to a database an older version created (create_all only
-creates missing tables).
+`migrate` adds the columns and indexes this version added to a database an older version created
+(create_all only creates missing tables).
 """
 
 from __future__ import annotations
@@ -28,14 +28,21 @@ from sqlalchemy import delete, inspect, or_, select, text, update
 
 from whitney.errors import Conflict, InvalidInput, NotFound
 from whitney.service.lifecycle import OperationStatus
-from whitney.service.store import PackageRow, SessionRow, Store, _row_dict, new_id
+from whitney.service.store import OperationRow, PackageRow, SessionRow, Store, _row_dict, new_id
 
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # Tinker's upper bound (its lower one, an hour, is not enforced here)
 
 
 def migrate(engine) -> None:
-    """ALTER TABLE ... ADD COLUMN for each column of the packages and sessions tables the database lacks."""
+    """ALTER TABLE ... ADD COLUMN for each column of the packages and sessions tables the database lacks, and
+    CREATE INDEX for each named index of the operations table it lacks."""
     found = inspect(engine)
+    table = OperationRow.__table__
+    if found.has_table(table.name):
+        have = {i["name"] for i in found.get_indexes(table.name)}
+        for index in table.indexes:
+            if index.name not in have:
+                index.create(engine)
     for table in (PackageRow.__table__, SessionRow.__table__):
         if not found.has_table(table.name):
             continue

@@ -90,9 +90,9 @@ class Quotas:
         already queued seq_id of its run waits for passes the queue limit, or that run could never move again.
         """
         limits = self.limits(owner)
-        if limits.max_queued_operations and (run_id is None or not self.store.queued_after(run_id, seq_id)):
-            held = self.store.pending_operations(owner)
-            if held + 1 > limits.max_queued_operations:
+        if limits.max_queued_operations:
+            held = self.store.pending_before(owner, run_id, seq_id)
+            if held is not None and held + 1 > limits.max_queued_operations:
                 raise QuotaExceeded(f"this key may have {limits.max_queued_operations} operations queued or "
                                     f"running and has {held}; wait for some to finish",
                                     field="max_queued_operations", limit=limits.max_queued_operations,

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
-from sqlalchemy import create_engine, event, func, insert, or_, select, update
+from sqlalchemy import bindparam, create_engine, event, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -116,11 +116,11 @@ class Store:
         return _row_dict(row)
 
     def get_run(self, run_id: str, owner: str | None = None) -> dict:
-        with self.tx() as db:
-            row = db.get(RunRow, run_id)
-            if row is None or (owner is not None and row.owner != owner):
-                raise NotFound(f"run {run_id!r} does not exist", field="run_id")
-            return _row_dict(row)
+        with self.engine.connect() as conn:  # Core: every training request reads its run
+            row = conn.execute(_RUN, {"id": run_id}).mappings().first()
+        if row is None or (owner is not None and row["owner"] != owner):
+            raise NotFound(f"run {run_id!r} does not exist", field="run_id")
+        return dict(row)
 
     def list_runs(self, owner: str, session_id: str | None = None) -> list[dict]:
         with self.tx() as db:
@@ -165,7 +165,7 @@ class Store:
                "created_at": time.time(), "started_at": None, "finished_at": None}
         if run_id is not None:  # Core statements throughout: every operation passes here
             with self.engine.connect() as conn:
-                run = conn.execute(select(RunRow.owner, RunRow.status).where(RunRow.id == run_id)).first()
+                run = conn.execute(_RUN, {"id": run_id}).first()
                 if run is None or run.owner != owner:
                     raise NotFound(f"run {run_id!r} does not exist", field="run_id")
                 existing = self._same_operation(conn, run_id, seq_id, kind, body_digest)
@@ -177,7 +177,7 @@ class Store:
             admit()
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(OperationRow), [row])
+                conn.execute(_INSERT_OPERATION, [row])
             return row, True
         except IntegrityError:  # the same (run, seq_id) committed by a racing request
             with self.engine.connect() as conn:
@@ -189,8 +189,7 @@ class Store:
     @staticmethod
     def _same_operation(conn, run_id: str, seq_id: int, kind: str, body_digest: str) -> dict | None:
         """The operation at (run, seq_id), if any, when it is the same request; a Conflict when it is not."""
-        existing = conn.execute(select(OperationRow.__table__).where(OperationRow.run_id == run_id,
-                                                                     OperationRow.seq_id == seq_id)).mappings().first()
+        existing = conn.execute(_OPERATION_AT, {"run_id": run_id, "seq_id": seq_id}).mappings().first()
         if existing is None:
             return None
         if existing["body_digest"] != body_digest or existing["kind"] != kind:
@@ -201,7 +200,7 @@ class Store:
     def get_operation(self, op_id: str, owner: str | None = None) -> dict:
         """The operation's row (a Core read: every long-poll asks, so none of the ORM's loading)."""
         with self.engine.connect() as conn:
-            row = conn.execute(select(OperationRow.__table__).where(OperationRow.id == op_id)).mappings().first()
+            row = conn.execute(_OPERATION, {"id": op_id}).mappings().first()
         if row is None or (owner is not None and row["owner"] != owner):
             raise NotFound(f"operation {op_id!r} does not exist", field="operation_id")
         return dict(row)
@@ -235,7 +234,7 @@ class Store:
             status = OperationStatus(status)
             if status in OPERATION_TERMINAL and op_id in self.at_end:
                 result = self.at_end.pop(op_id)(status, result)
-            values: dict = {"status": status}  # a start's values: the one statement below
+            values: dict = {"op_id": op_id}  # a start's values: the one statement below
             if status in OPERATION_TERMINAL:
                 values.update(finished_at=now if at is None else at, result=result, error=error)
             rows.append((op_id, status, result, error, values))
@@ -247,9 +246,7 @@ class Store:
                 OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at))} if starts else {}
             for op_id, status, result, error, values in rows:
                 ended.append(started.get(op_id) if status == OperationStatus.RUNNING else conn.execute(
-                    update(OperationRow).where(OperationRow.id == op_id, OperationRow.status.in_(
-                        sources(OPERATION_MOVES, status))).values(**values).returning(
-                        OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at)).first())
+                    _MOVE[status], values).first())
         for (_, status, result, error, values), row in zip(rows, ended):
             if row is not None and status in OPERATION_TERMINAL:
                 self._observe(row.kind, status, row.created_at, row.started_at, values["finished_at"], result, error)
@@ -397,16 +394,38 @@ class Store:
 
     def pending_operations(self, owner: str) -> int:
         """How many of an owner's operations are queued or running (usage's "operations", alone)."""
-        with self.tx() as db:
-            return db.scalar(select(func.count()).select_from(OperationRow).where(
-                OperationRow.owner == owner, OperationRow.status.in_(OPERATION_PENDING)))
+        with self.engine.connect() as conn:
+            return conn.execute(_PENDING, {"owner": owner}).scalar_one()
 
-    def queued_after(self, run_id: str, seq_id: int) -> bool:
-        """Whether a later seq_id of the run is queued already (it waits for this one)."""
-        with self.tx() as db:
-            return db.scalars(select(OperationRow.id).where(
-                OperationRow.run_id == run_id, OperationRow.seq_id > seq_id,
-                OperationRow.status == OperationStatus.QUEUED).limit(1)).first() is not None
+    def pending_before(self, owner: str, run_id: str | None, seq_id: int | None) -> int | None:
+        """The owner's operations queued or running, for a new operation's queue limit; None when a later
+        seq_id of its run is queued already (it waits for this one, so this one is never held back). One
+        statement on the (owner, status) and (run_id, seq_id) indexes: every submission asks."""
+        with self.engine.connect() as conn:
+            held, waited_for = conn.execute(_PENDING_BEFORE, {"owner": owner, "run_id": run_id,
+                                                              "seq_id": seq_id}).one()
+        return None if waited_for else held
+
+
+# The statements every operation passes through, built once: SQLAlchemy then computes each one's cache key once,
+# not per call (a third of a read's time). A run_id of None matches no row.
+_RUN = select(RunRow.__table__).where(RunRow.id == bindparam("id"))
+_OPERATION = select(OperationRow.__table__).where(OperationRow.id == bindparam("id"))
+_OPERATION_AT = select(OperationRow.__table__).where(OperationRow.run_id == bindparam("run_id"),
+                                                     OperationRow.seq_id == bindparam("seq_id"))
+_INSERT_OPERATION = insert(OperationRow)
+# A move to each status but RUNNING (set_operations starts a batch in one statement), from where it may come.
+_MOVE = {status: update(OperationRow).where(
+    OperationRow.id == bindparam("op_id"), OperationRow.status.in_(sources(OPERATION_MOVES, status))).values(
+    status=status, **({"finished_at": bindparam("finished_at"), "result": bindparam("result"),
+                       "error": bindparam("error")} if status in OPERATION_TERMINAL else {})).returning(
+    OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at)
+    for status in OperationStatus if status != OperationStatus.RUNNING}
+_PENDING = select(func.count()).select_from(OperationRow).where(OperationRow.owner == bindparam("owner"),
+                                                                OperationRow.status.in_(OPERATION_PENDING))
+_PENDING_BEFORE = select(_PENDING.scalar_subquery(), exists().where(
+    OperationRow.run_id == bindparam("run_id"), OperationRow.seq_id > bindparam("seq_id"),
+    OperationRow.status == OperationStatus.QUEUED))
 
 
 def digest(body: dict) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint, false
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -47,8 +47,12 @@ class RunRow(Base):
 
 class OperationRow(Base):
     __tablename__ = "operations"
-    # A retry of (run, seq_id) must find the first submission, never create a second one.
-    __table_args__ = (UniqueConstraint("run_id", "seq_id", name="one_operation_per_seq_id"),)
+    # A retry of (run, seq_id) must find the first submission, never create a second one (its index also
+    # finds a run's later seq_ids). Every submission counts its owner's queued and running operations: by
+    # (owner, status), a count of those few rows, not a scan of the owner's whole history (packages.migrate
+    # adds it to an older database).
+    __table_args__ = (UniqueConstraint("run_id", "seq_id", name="one_operation_per_seq_id"),
+                      Index("ix_operations_owner_status", "owner", "status"))
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     owner: Mapped[str] = mapped_column(String(128), index=True)
     # Training operations belong to a run and carry its seq_id; sampling ones have neither order nor run.
