@@ -224,6 +224,20 @@ def test_a_keys_owner_is_its_digest_as_before(make_server, capsys):
         assert store.list_sessions(hashlib.sha256(made.encode()).hexdigest()[:32]) == []
 
 
+def test_a_requests_key_is_checked_once(make_server, monkeypatch):
+    """KeyGate checks the key before routing and hands its owner to the route: no second check per request."""
+    server = make_server(api_keys=[KEY])
+    keys, calls = server.app.state.whitney.keys, []
+    check = keys.owner
+    monkeypatch.setattr(keys, "owner", lambda key: calls.append(key) or check(key))
+    with server.http(KEY) as http:
+        sid = session(http)
+        calls.clear()
+        assert expect(http.get(f"/v1/sessions/{sid}"), 200)["id"] == sid
+        assert calls == [KEY]
+        assert http.get(f"/v1/sessions/{sid}", headers={"Authorization": "Bearer k-wrong"}).status_code == 401
+
+
 def keys_json(capsys, server) -> list[dict]:
     import json
 
