@@ -234,7 +234,7 @@ class Store:
             status = OperationStatus(status)
             if status in OPERATION_TERMINAL and op_id in self.at_end:
                 result = self.at_end.pop(op_id)(status, result)
-            values: dict = {"op_id": op_id}  # a start's values: the one statement below
+            values: dict = {"op_id": op_id}  # _MOVE[status]'s parameters (the starts: one statement below)
             if status in OPERATION_TERMINAL:
                 values.update(finished_at=now if at is None else at, result=result, error=error)
             rows.append((op_id, status, result, error, values))
