@@ -130,7 +130,8 @@ def absolute(name: str, r: dict) -> str:
             if "missing" in row:
                 parts.append(f"{who}: not measured ({row['missing'][:200]})")
                 continue
-            parts.append(f"{who}: {row['ops_per_s']:.1f} ops/s, p50 {row['p50_s']:.2f} / p99 {row['p99_s']:.2f} s, "
+            phase = f" over {row['phase_s']:.0f} s" if row.get("phase_s") else ""
+            parts.append(f"{who}: {row['ops_per_s']:.2f} ops/s{phase}, p50 {row['p50_s']:.2f} / p99 {row['p99_s']:.2f} s, "
                          f"sample p50 {fmt_s(row['sample_p50_s'])} / p99 {fmt_s(row['sample_p99_s'])}, "
                          f"{row['errors']} errors")
         return "; ".join(parts)
@@ -356,7 +357,7 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "padding (and with a LoRA adapter, info). Targets: SFT <= 1.0x, sampling >= 1.0x.",
         "- **tenants** (`--only tenants`, issue 15): 32 clients, each its own session and rank-8 run, loop "
         "forward_backward (4 x 64) + optim_step and every 8th step a sampler version and an 8-token sample, for "
-        "90 s after an untimed warm-up step each, on the tiny model and on SmolLM2: against the commit before "
+        "90 s (or 4 times the warm-up, where longer: a round must fit several times) after an untimed warm-up step each, on the tiny model and on SmolLM2: against the commit before "
         "issue 15 (`--baseline REF`, served from `build/baseline-<sha>/`) and this tree, both through the native "
         "client, one fresh server after the other; and through the official SDK against SkyRL tx and this tree "
         "on SkyRL's copy of the same model, where SkyRL is set up (one adapter slot per client; stopped and reported "

@@ -3,8 +3,9 @@
 Each client has its own session and rank-8 run and loops forward_backward (4 x 64 tokens, cross_entropy)
 + optim_step (both submitted, then both awaited), and every 8th step save_weights_for_sampler + an
 8-token sample of that version. Every client first does one untimed step and sample (warm-up), then all
-start together and run for a bounded time. On the tiny model (2 x 64, where per-operation machinery
-counts) and on SmolLM2 (the embedded default), one server after the other, each a fresh process:
+start together and run for a bounded time (90 s, or MIN_ROUNDS times the warm-up where longer). On the
+tiny model (2 x 64, where per-operation machinery counts) and on SmolLM2 (the embedded default), one server
+after the other, each a fresh process:
 
   baseline   the commit before issue 15 (default 3f82ad7, `python -m bench --baseline REF`), served from a
              copy of its tree under build/ (bench/baseline.py), through the native client;
@@ -41,22 +42,29 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("WHITNEY_PEERS_DIR", ROOT.parent / "shared" / "peers"))
 SKYRL = Path(os.environ.get("PEER", Path(tempfile.gettempdir()) / "peers" / "skyrl"))
 RANK, BATCH, SEQ_LEN, SAMPLE_EVERY, SAMPLE_TOKENS = 8, 4, 64, 8, 8
+# A phase lasts its seconds, or this many times the warm-up (every client's first step and sample, about one
+# round of all of them) where that is longer: a server whose round of 32 clients outlasts the phase (SmolLM2
+# in float32 on 2 cores: ~95 s before issue 15) would otherwise finish a handful of operations in time, and
+# the ratio would measure where the deadline fell, not throughput.
+MIN_ROUNDS = 4
 SKYRL_RSS_GUARD_KIB = 14 * 2**20  # SkyRL's server and engine together, of the machine's 24 GiB
 
 
-def drive(url: str, n: int, seconds: float) -> dict:
-    """n native clients against `url`: warm-up, then `seconds` of the loop; every operation's latencies."""
+def drive(url: str, n: int, seconds: float, min_rounds: float = MIN_ROUNDS) -> dict:
+    """n native clients against `url`: warm-up, then `seconds` of the loop (or `min_rounds` x the warm-up's
+    time, where longer: the phase's "seconds" in the result); every operation's latencies."""
     import whitney
 
     batches = [sft_batch(BATCH, SEQ_LEN, seed=i) for i in range(n)]
     records: list[tuple[str, float, float, float]] = []  # (kind, server s, client s, done s since start)
     errors: list[str] = []
     lock = threading.Lock()
-    clock = {"t0": 0.0, "deadline": 0.0}
+    clock = {"t0": 0.0, "deadline": 0.0, "seconds": seconds}
 
     def go() -> None:  # run by the barrier before it releases anyone: every client sees the deadline
         clock["t0"] = time.monotonic()
-        clock["deadline"] = clock["t0"] + seconds
+        clock["seconds"] = max(seconds, min_rounds * (clock["t0"] - t_setup))
+        clock["deadline"] = clock["t0"] + clock["seconds"]
 
     ready = threading.Barrier(n + 1, action=go)
 
@@ -119,7 +127,7 @@ def drive(url: str, n: int, seconds: float) -> dict:
     for t in threads:
         t.join()
     return {"setup_s": clock["t0"] - t_setup, "wall_s": time.monotonic() - clock["t0"],
-            "records": records, "errors": errors}
+            "seconds": clock["seconds"], "records": records, "errors": errors}
 
 
 def summarize(raw: dict, seconds: float, native: bool) -> dict:
@@ -152,8 +160,11 @@ def summarize(raw: dict, seconds: float, native: bool) -> dict:
 def native_phase(tree: Path | None, model: str, dtype: str, n: int, seconds: float) -> dict:
     with start_server(tree, "--dtype", dtype, model=model) as server:
         where = server.extra["whitney_file"]
-        print(f"  tenants: {n} clients against {where} on {Path(model).name} for {seconds:.0f}s", flush=True)
-        out = summarize(drive(server.url, n, seconds), seconds, native=True)
+        print(f"  tenants: {n} clients against {where} on {Path(model).name} for {seconds:.0f}s or "
+              f"{MIN_ROUNDS} warm-up rounds", flush=True)
+        raw = drive(server.url, n, seconds)
+        out = summarize(raw, raw["seconds"], native=True)
+        out["seconds"] = raw["seconds"]
         try:
             out["rss_mib"] = server.status()["VmRSS"] / 1024
         except ServerExited as e:  # it died under the load: what the clients saw stays, marked as such
@@ -161,7 +172,7 @@ def native_phase(tree: Path | None, model: str, dtype: str, n: int, seconds: flo
             out["server_exited"] = str(e)
             out["n_errors"] = max(1, out["n_errors"])
     out["whitney_file"] = where
-    print(f"  -> {out['operations_per_s']:.1f} ops/s, p50 {out['latency']['server']['p50_s']:.2f} s, p99 "
+    print(f"  -> {out['operations_per_s']:.2f} ops/s over {out['seconds']:.0f} s, p50 {out['latency']['server']['p50_s']:.2f} s, p99 "
           f"{out['latency']['server']['p99_s']:.2f} s, {out['n_errors']} errors", flush=True)
     return out
 
@@ -313,7 +324,7 @@ def table(results: dict) -> list[dict]:
             lat = x["latency"]
             sample = x["by_kind"].get("sample", {}).get("server" if client == "native" else "client", {})
             rows.append({"model": model, "contender": who, "client": client,
-                         "ops_per_s": round(x["operations_per_s"], 2),
+                         "ops_per_s": round(x["operations_per_s"], 2), "phase_s": x.get("seconds"),
                          "p50_s": lat.get("server", lat["client"])["p50_s"],
                          "p99_s": lat.get("server", lat["client"])["p99_s"],
                          "client_p50_s": lat["client"]["p50_s"], "client_p99_s": lat["client"]["p99_s"],
