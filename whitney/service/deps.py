@@ -67,7 +67,7 @@ async def owner(request: Request, authorization: Annotated[str | None, Header()]
     checked = request.scope.get(OWNER_SCOPE_KEY)
     if checked is not None:
         return checked
-    return await run_in_threadpool(request.app.state.whitney.keys.owner, presented_key(authorization, x_api_key))
+    return await run_in_threadpool((await state(request)).keys.owner, presented_key(authorization, x_api_key))
 
 
 State = Annotated[ServiceState, Depends(state)]

@@ -240,10 +240,7 @@ class Store:
             rows.append((op_id, status, result, error, values))
         starts = [op_id for op_id, status, *_ in rows if status == OperationStatus.RUNNING]
         with self.engine.begin() as conn:  # Core statements: none of the ORM's per-row bookkeeping
-            started = {r.id: r for r in conn.execute(update(OperationRow).where(  # the starts: one statement
-                OperationRow.id.in_(starts), OperationRow.status.in_(sources(OPERATION_MOVES, OperationStatus.RUNNING))
-            ).values(status=OperationStatus.RUNNING, started_at=now).returning(
-                OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at))} if starts else {}
+            started = {r.id: r for r in conn.execute(_START, {"ids": starts, "started_at": now})} if starts else {}
             for op_id, status, result, error, values in rows:
                 ended.append(started.get(op_id) if status == OperationStatus.RUNNING else conn.execute(
                     _MOVE[status], values).first())
@@ -408,22 +405,26 @@ class Store:
 
 
 # The statements every operation passes through, built once: SQLAlchemy then computes each one's cache key once,
-# not per call (a third of a read's time). A run_id of None matches no row.
+# not per call (a third of a read's time).
 _RUN = select(RunRow.__table__).where(RunRow.id == bindparam("id"))
 _OPERATION = select(OperationRow.__table__).where(OperationRow.id == bindparam("id"))
 _OPERATION_AT = select(OperationRow.__table__).where(OperationRow.run_id == bindparam("run_id"),
                                                      OperationRow.seq_id == bindparam("seq_id"))
 _INSERT_OPERATION = insert(OperationRow)
-# A move to each status but RUNNING (set_operations starts a batch in one statement), from where it may come.
+_ENDED = (OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at)
+# The starts of a batch, in one statement; a move to each other status, from where it may come.
+_START = update(OperationRow).where(
+    OperationRow.id.in_(bindparam("ids", expanding=True)),
+    OperationRow.status.in_(sources(OPERATION_MOVES, OperationStatus.RUNNING))).values(
+    status=OperationStatus.RUNNING, started_at=bindparam("started_at")).returning(*_ENDED)
 _MOVE = {status: update(OperationRow).where(
     OperationRow.id == bindparam("op_id"), OperationRow.status.in_(sources(OPERATION_MOVES, status))).values(
     status=status, **({"finished_at": bindparam("finished_at"), "result": bindparam("result"),
-                       "error": bindparam("error")} if status in OPERATION_TERMINAL else {})).returning(
-    OperationRow.id, OperationRow.kind, OperationRow.created_at, OperationRow.started_at)
+                       "error": bindparam("error")} if status in OPERATION_TERMINAL else {})).returning(*_ENDED)
     for status in OperationStatus if status != OperationStatus.RUNNING}
 _PENDING = select(func.count()).select_from(OperationRow).where(OperationRow.owner == bindparam("owner"),
                                                                 OperationRow.status.in_(OPERATION_PENDING))
-_PENDING_BEFORE = select(_PENDING.scalar_subquery(), exists().where(
+_PENDING_BEFORE = select(_PENDING.scalar_subquery(), exists().where(  # a run_id of None (sampling) matches none
     OperationRow.run_id == bindparam("run_id"), OperationRow.seq_id > bindparam("seq_id"),
     OperationRow.status == OperationStatus.QUEUED))
 
