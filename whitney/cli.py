@@ -120,6 +120,10 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-resident-runs", type=_count, default=default.max_resident_runs, metavar="N",
                        help="keep at most N runs' state in memory: one more coming in pages out the least "
                             "recently used first, as an idle one (default: no budget)")
+    serve.add_argument("--max-pass-mib", type=_count, default=default.max_pass_mib, metavar="MIB",
+                       help="training: the estimated activation memory one forward+backward pass keeps; a call's "
+                            "requests beyond it run in further passes, each request whole (default: 2048 on the "
+                            "CPU, a quarter of the accelerator's memory)")
 
 
 def engine_config(args):
@@ -127,7 +131,8 @@ def engine_config(args):
 
     return EngineConfig(max_lora_rank=args.max_lora_rank, device=args.device, compute_dtype=args.dtype,
                         max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens,
-                        page_idle_seconds=args.page_idle_seconds, max_resident_runs=args.max_resident_runs)
+                        page_idle_seconds=args.page_idle_seconds, max_resident_runs=args.max_resident_runs,
+                        max_pass_mib=args.max_pass_mib)
 
 
 def _seconds(text: str) -> float:

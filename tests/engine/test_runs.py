@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 import torch
 
+from whitney.cli import add_engine_flags, engine_config
 from whitney.engine import Datum, Engine, ForwardRequest, ForwardResult, LoraConfig
+from whitney.engine.backend import InProcessBackend
 from whitney.engine.model import load_base_model, module_path
 from whitney.errors import Conflict, InvalidInput, NotFound
 from tests.models import VOCAB
@@ -277,6 +280,50 @@ def test_mixed_backward_batch_equals_solo(three_runs):
         zero_grads(engine, r)
     # Soft-target rows return K-averaged log-probs, one per position.
     assert [len(o.logprobs) for o in batch[2].outputs] == [7, 2]
+
+
+def test_a_training_call_beyond_the_pass_budget_runs_in_passes_each_equal_to_one_pass(three_runs, monkeypatch):
+    """A call whose kept activations would pass max_pass_mib runs as several forward+backward passes (each
+    request whole); its results and each run's gradient equal those of the one pass. A forward keeps no
+    activations: one pass whatever the budget."""
+    engine, reqs, _ = three_runs
+    order = [reqs["a"], reqs["b"], reqs["c"]]
+    passes = []
+    compute = engine._compute
+    monkeypatch.setattr(engine, "_compute", lambda base, items, backward: passes.append(len(items)) or
+                        compute(base, items, backward))
+    one = engine.run_batch(order, backward=True)
+    one_grads = {r: grads_of(engine, r) for r in "abc"}
+    assert passes == [3]
+    # 2**20 // 20: a budget of 20 padded tokens (a: 2 x 9, b: 2 x 12, c: 2 x 7): a, b and c alone
+    monkeypatch.setattr("whitney.engine.runs.activation_bytes_per_token", lambda config, dtype: 2**20 // 20)
+    engine.max_pass_mib = 1
+    for r in "abc":
+        zero_grads(engine, r)
+    split = engine.run_batch(order, backward=True)
+    assert passes == [3, 1, 1, 1]
+    for r, got, want in zip("abc", split, one):
+        assert_results_close(got, want)
+        assert_grads_close(grads_of(engine, r), one_grads[r])
+    engine.run_batch(order, backward=False)
+    assert passes == [3, 1, 1, 1, 3]
+
+
+def test_the_pass_budget_is_an_integer_of_mib_or_the_devices_default(bases):
+    """`whitney serve --max-pass-mib` -> EngineConfig -> the engine (and back in the backend's config)."""
+    assert new_engine(bases).max_pass_mib == 2048  # the CPU's
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args([])).max_pass_mib is None
+    config = engine_config(parser.parse_args(["--max-pass-mib", "64"]))
+    assert InProcessBackend.start(config, []).config.max_pass_mib == 64
+    for bad in ("0", "-1", "1.5", "lots"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-pass-mib", bad])
+    for bad in (0, -1, 1.5, True, "64"):
+        with pytest.raises(InvalidInput) as e:
+            new_engine(bases, max_pass_mib=bad)
+        assert e.value.field == "max_pass_mib" and ">= 1" in e.value.message
 
 
 def test_mixed_forward_batch_with_base_request_equals_solo(three_runs, tiny_llama):

@@ -226,7 +226,7 @@ class InProcessBackend(chat.TextMethods):
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
                         max_prefill_tokens=config.max_prefill_tokens, device=config.device,
                         page_idle_seconds=config.page_idle_seconds, max_resident_runs=config.max_resident_runs,
-                        paging_dir=config.paging_dir)
+                        paging_dir=config.paging_dir, max_pass_mib=config.max_pass_mib)
         backend = cls(engine)
         for name in models:
             backend.load_model(name)
@@ -239,7 +239,8 @@ class InProcessBackend(chat.TextMethods):
         return EngineConfig(max_lora_rank=e.max_lora_rank, device=str(e.device), compute_dtype=e.compute_dtype_name,
                             max_sequences=e.max_sequences, max_cached_tokens=e.max_cached_tokens,
                             max_prefill_tokens=e.max_prefill_tokens, page_idle_seconds=e.pager.idle_seconds,
-                            max_resident_runs=e.pager.max_resident, paging_dir=str(e.pager.root))
+                            max_resident_runs=e.pager.max_resident, paging_dir=str(e.pager.root),
+                            max_pass_mib=e.max_pass_mib)
 
     def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
         """Load a base model (once) and describe it; `alias` names the same model a second way."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from whitney.errors import InvalidInput
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -23,3 +25,13 @@ class EngineConfig:
     # (to paging_dir, as an idle one). None: no budget.
     max_resident_runs: int | None = None
     paging_dir: str | None = None
+    # Training (engine/passes.py): the estimated activation memory, in MiB, that one forward+backward pass keeps;
+    # a call's requests beyond it run in further passes, each request whole. None: 2048 on the CPU, a quarter
+    # of the accelerator's memory.
+    max_pass_mib: int | None = None
+
+
+def check_optional_count(field: str, value: int | None, unset: str) -> None:
+    """None (meaning `unset`) or an integer >= 1; else an InvalidInput naming the field and the rule."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidInput(f"{field} must be an integer >= 1 (or unset: {unset}), got {value!r}", field=field)

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from whitney.engine.config import check_optional_count
 from whitney.engine.lora import Adapter, LoraConfig
 from whitney.engine.optim import OptimizerState
 from whitney.engine.page_file import PageEntry, read_file, write_file
@@ -83,13 +84,6 @@ def release_memory() -> None:
     """Give memory freed by dropped tensors back to the system (glibc on Linux; elsewhere a no-op)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
-
-
-def check_max_resident_runs(value: int | None) -> None:
-    """None (no budget) or an integer >= 1."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise InvalidInput(f"max_resident_runs must be an integer >= 1 (or unset: no budget), got {value!r}",
-                           field="max_resident_runs")
 
 
 def check_page_idle_seconds(value: float | None) -> None:
@@ -154,7 +148,7 @@ class Pager:
     def __init__(self, runs: dict[str, "Run"], idle_seconds: float | None, directory: str | None,
                  max_resident: int | None = None):
         check_page_idle_seconds(idle_seconds)
-        check_max_resident_runs(max_resident)
+        check_optional_count("max_resident_runs", max_resident, "no budget")
         self.runs = runs  # the engine's own dict: every live run, in memory or out
         self.idle_seconds = idle_seconds
         self.max_resident = max_resident

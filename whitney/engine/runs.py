@@ -18,7 +18,7 @@ import torch
 from whitney.engine import checkpoint as ckpt
 from whitney.engine import vision
 from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
-from whitney.engine.config import EngineConfig
+from whitney.engine.config import EngineConfig, check_optional_count
 from whitney.engine.hf_sampler import HFSampler
 from whitney.engine.lora import Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
 from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec
@@ -28,6 +28,7 @@ from whitney.engine.model import (
 )
 from whitney.engine.optim import AdamParams, OptimizerState, optim_step, optim_steps
 from whitney.engine.paging import Pager, release_memory
+from whitney.engine.passes import activation_bytes_per_token, default_pass_mib, plan_passes
 from whitney.engine.run import Run
 from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, check_request
 from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
@@ -61,13 +62,15 @@ class Engine:
                  device: str | torch.device = EngineConfig.device,
                  page_idle_seconds: float | None = EngineConfig.page_idle_seconds,
                  max_resident_runs: int | None = EngineConfig.max_resident_runs,
-                 paging_dir: str | None = EngineConfig.paging_dir):
+                 paging_dir: str | None = EngineConfig.paging_dir, max_pass_mib: int | None = EngineConfig.max_pass_mib):
         self.max_lora_rank = max_lora_rank
         self.device = resolve_device(device)  # "auto" resolved: cpu or cuda:N
         self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)  # base weights, activations
         self.max_sequences = max_sequences  # sampling: concurrent sequences per base model
         self.max_cached_tokens = max_cached_tokens  # sampling: KV-cache tokens per base model
         self.max_prefill_tokens = max_prefill_tokens  # sampling: prompt tokens prefilled per step
+        check_optional_count("max_pass_mib", max_pass_mib, "the device's default")
+        self.max_pass_mib = max_pass_mib or default_pass_mib(self.device)  # training: activations of one pass
         self.models: dict[str, BaseModel] = {}
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -180,10 +183,19 @@ class Engine:
         for name, items in by_base.items():
             # Rows of one adapter stay contiguous: one LoRA matmul per adapter per projection.
             items.sort(key=lambda x: id(x[1].adapter))
-            results = self._compute(self.models[name], [p for _, p in items], backward)
-            for (i, _), result in zip(items, results):
-                out[i] = result
+            for part in self._passes(self.models[name], [p for _, p in items], backward):
+                results = self._compute(self.models[name], [items[j][1] for j in part], backward)
+                for j, result in zip(part, results):
+                    out[items[j][0]] = result
         return out  # type: ignore[return-value]
+
+    def _passes(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[list[int]]:
+        """A training call's requests in passes whose kept activations fit max_pass_mib (passes.py); a forward
+        keeps none, so it runs as one."""
+        if not backward:
+            return [list(range(len(items)))]
+        budget = self.max_pass_mib * 2**20 // activation_bytes_per_token(base.config, base.compute_dtype)
+        return plan_passes([(len(it.datums), max(d.length for d in it.datums)) for it in items], budget)
 
     def validate(self, request: ForwardRequest, backward: bool) -> int:
         """Check a request without running it (safe from another thread: it reads the run's base model only,
