@@ -3,9 +3,10 @@ whose kept activations fit a memory budget.
 
 A pass keeps every layer's activations until its backward, so its memory grows with its padded tokens
 (rows x longest row): 32 runs of 4 x 64 tokens on SmolLM2 in one float32 pass held 17.8 GiB and ran 2.12 s
-per run, against 1.36-1.40 s per run in passes of 1 to 8 runs (2-ish GiB) on the same 2-core CPU. Each request
-stays whole in one pass (so its results and gradient are those of running it alone); one larger than the
-budget runs alone (the service's max_batch_tokens bounds it).
+per run, against 1.36-1.44 s per run in passes of 1 to 8 runs (peak RSS 1.8-5.9 GiB) on the same 2-core CPU.
+Each request stays whole in one pass, so its results and gradient are those of one pass (to float rounding:
+a GEMM's blocking may follow its rows); one larger than the budget runs alone (the service's max_batch_tokens
+bounds it).
 """
 
 from __future__ import annotations
