@@ -207,7 +207,7 @@ def sdk_phase(python: str, url: str, base_model: str, n: int, seconds: float, no
             return {"missing": f"tenants_sdk.py exited {proc.returncode}: {text[-2000:]}"}
         raw = json.loads(out.read_text())
     res = summarize(raw, seconds, native=False)
-    res["sdk"] = raw["sdk"]
+    res["sdk"], res["seconds"] = raw["sdk"], seconds
     print(f"  -> SDK {raw['sdk']}: {res['operations_per_s']:.1f} ops/s, client p99 "
           f"{res['latency']['client']['p99_s']:.2f} s, {res['n_errors']} errors", flush=True)
     return res
@@ -294,12 +294,15 @@ def run(quick: bool = False, dtype: str = "float32", baseline: str = BASELINE_RE
             r["sdk"] = {"skyrl": {"missing": "not run (--quick runs SkyRL on the tiny model only)" if peers
                                   else "not run (peers=False)"}}
             continue
-        skyrl = skyrl_phase(skyrl_models[name], n, seconds[name])
+        # Both SDK phases last as long as the native phase of this tree did (its warm-up rounds included): the
+        # SDK's client rounds take as long, and SkyRL's warm-up (JAX compilation) would inflate a phase of its own.
+        sdk_seconds = r["current"]["seconds"]
+        skyrl = skyrl_phase(skyrl_models[name], n, sdk_seconds)
         r["sdk"] = {"skyrl": skyrl}
         if skyrl_models[name].exists():  # Whitney through the SDK on SkyRL's model dir (also where SkyRL failed)
             with start_server(None, "--dtype", dtype, model=str(skyrl_models[name])) as server:
                 r["sdk"]["whitney"] = sdk_phase(sys.executable, server.url, skyrl_models[name].name, n,
-                                                seconds[name], no_unembed=True)
+                                                sdk_seconds, no_unembed=True)
     return {
         "benchmark": "tenants",
         "settings": {"clients": n, "seconds": seconds, "rank": RANK, "batch": f"{BATCH} x {SEQ_LEN}",
