@@ -360,9 +360,10 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "90 s (or 4 times the warm-up, where longer: a round must fit several times) after an untimed warm-up step each, on the tiny model and on SmolLM2: against the commit before "
         "issue 15 (`--baseline REF`, served from `build/baseline-<sha>/`) and this tree, both through the native "
         "client, one fresh server after the other; and through the official SDK against SkyRL tx and this tree "
-        "on SkyRL's copy of the same model, where SkyRL is set up (one adapter slot per client; stopped and reported "
-        "as not held if its processes pass 14 GiB of RSS). Operations/s = operations done before the "
-        "deadline / 90 s; latency = created_at -> finished_at on the server (and client-observed). Targets "
+        "on SkyRL's copy of the same model, both for as long as this tree's native phase lasted, where SkyRL is "
+        "set up (one adapter slot per client; stopped and reported as not held if its processes pass 14 GiB of "
+        "RSS). Operations/s = operations done before the deadline / the phase's seconds; latency = created_at -> "
+        "finished_at on the server (and client-observed). Targets "
         "(current / baseline): operations/s >= 4x, p99 <= 0.25x, zero errors.",
         "- **capacity** (`--only capacity`, issue 15): SmolLM2, LoRA rank 32, runs created by 4 client threads and "
         "stepped once (forward_backward 1 x 64 + optim_step) up to 1,000 or until a guard (server RSS 8 GiB, "
