@@ -183,8 +183,9 @@ class Engine:
         for name, items in by_base.items():
             # Rows of one adapter stay contiguous: one LoRA matmul per adapter per projection.
             items.sort(key=lambda x: id(x[1].adapter))
-            for part in self._passes(self.models[name], [p for _, p in items], backward):
-                results = self._compute(self.models[name], [items[j][1] for j in part], backward)
+            base = self.models[name]
+            for part in self._passes(base, [p for _, p in items], backward):
+                results = self._compute(base, [items[j][1] for j in part], backward)
                 for j, result in zip(part, results):
                     out[items[j][0]] = result
         return out  # type: ignore[return-value]
