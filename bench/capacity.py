@@ -26,6 +26,12 @@ optim_step, created by several client threads at once. The server's memory is Vm
 
 Targets: RSS (50 active, after 1,000 created) at most 2x the one-run server's; page-in p50 at most
 100 ms; runs reached (1,000); zero errors.
+
+`--rank R` runs the same at another LoRA rank, into its own result (capacity-rank{R}.json): a paged run's
+bytes scale with the rank (rank 8: ~33 MiB, 1,000 runs ~32 GiB), so where the disk cannot hold 1,000 runs
+at rank 32 the run count, the RSS with every run paged out and with 50 active are measured at a rank
+whose 1,000 runs it can hold. What a paged-out run keeps in memory (its file's entries: one per tensor,
+422 here) does not depend on the rank.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ MAX_RESIDENT = 3
 RSS_GUARD_KIB = 8 * 2**20  # stop creating runs when the server's RSS passes 8 GiB (the machine has 24)
 AVAILABLE_GUARD_KIB = 4 * 2**20  # ... or the machine's available memory falls under 4 GiB
 DISK_RESERVE = 20 * 2**30  # ... or the disk would have less than 20 GiB free
+CREATE_BUDGET_S = 1500.0  # ... or this time is spent (about 1 run/s here: 1,000 runs take ~1,000 s)
 
 
 def available_kib() -> int:
@@ -123,8 +130,8 @@ def paging_metrics(client) -> dict[str, float]:
 
 
 def create_runs(server, target: int, threads: int, seconds: float, batch: list[dict], data_dir: Path | None,
-                errors: list[str], clients: list) -> tuple[list, str]:
-    """Create and step once up to `target` runs from `threads` clients (appended to `clients`, left open), until
+                errors: list[str], clients: list, rank: int = RANK) -> tuple[list, str]:
+    """Create (LoRA `rank`) and step once up to `target` runs from `threads` clients (appended to `clients`, left open), until
     a guard trips; (the runs, why the creation stopped)."""
     import whitney
 
@@ -164,7 +171,7 @@ def create_runs(server, target: int, threads: int, seconds: float, batch: list[d
                         return
                     index = len(runs)
                     runs.append(None)  # reserved; filled once stepped
-                run_ = session.create_run(rank=RANK, seed=index)
+                run_ = session.create_run(rank=rank, seed=index)
                 run_.forward_backward(batch).result()
                 run_.optim_step(learning_rate=1e-4).result()
                 with lock:
@@ -253,7 +260,7 @@ def active(runs: list, batch: list[dict], seconds: float, errors: list[str]) -> 
 
 
 def measure(tree: Path | None, dtype: str, target: int, threads: int, create_s: float, n_probe: int, n_active: int,
-            active_s: float, page_idle: float | None) -> dict:
+            active_s: float, page_idle: float | None, rank: int = RANK) -> dict:
     """One server (this tree with paging, or the baseline without): the phases above; RSS in MiB."""
     import whitney
 
@@ -272,10 +279,10 @@ def measure(tree: Path | None, dtype: str, target: int, threads: int, create_s: 
         try:
             with whitney.Client(server.url, timeout=600) as probe_client:
                 out["rss_idle_mib"] = server.status()["VmRSS"] / 1024
-                one, _ = create_runs(server, 1, 1, 600, batch, None, errors, clients)
+                one, _ = create_runs(server, 1, 1, 600, batch, None, errors, clients, rank)
                 out["rss_one_run_mib"] = server.status()["VmRSS"] / 1024
                 t = time.monotonic()
-                runs, why = create_runs(server, target - 1, threads, create_s, batch, paged_dir, errors, clients)
+                runs, why = create_runs(server, target - 1, threads, create_s, batch, paged_dir, errors, clients, rank)
                 runs = one + runs
                 out["create"] = {"runs": len(runs), "stopped": why, "seconds": time.monotonic() - t,
                                  "runs_per_s": (len(runs) - 1) / (time.monotonic() - t),
@@ -316,14 +323,16 @@ def measure(tree: Path | None, dtype: str, target: int, threads: int, create_s: 
     return out
 
 
-def run(quick: bool = False, dtype: str = "float32", baseline: str = BASELINE_REF) -> dict:
+def run(quick: bool = False, dtype: str = "float32", baseline: str = BASELINE_REF, rank: int = RANK) -> dict:
+    """The phases above at LoRA `rank` (the issue's 32 by default; `python -m bench --only capacity --rank R`):
+    the result is "capacity", or "capacity-rank{R}" at another rank."""
     target, threads = (40, 4) if quick else (1000, 4)
-    create_s, active_s = (90.0, 15.0) if quick else (540.0, 60.0)
+    create_s, active_s = (90.0, 15.0) if quick else (CREATE_BUDGET_S, 60.0)
     n_probe, n_active = (5, 8) if quick else (20, 50)
     page_idle = 3.0 if quick else 10.0
     tree, sha = checkout(baseline)
-    current = measure(None, dtype, target, threads, create_s, n_probe, n_active, active_s, page_idle)
-    base = measure(tree, dtype, target, threads, create_s, 0, 0, 0.0, None)
+    current = measure(None, dtype, target, threads, create_s, n_probe, n_active, active_s, page_idle, rank)
+    base = measure(tree, dtype, target, threads, create_s, 0, 0, 0.0, None, rank)
     page_in = [p["page_in_s"] for p in current.get("page_in", [])]
     metrics = current.get("paging_metrics", {})
 
@@ -350,29 +359,30 @@ def run(quick: bool = False, dtype: str = "float32", baseline: str = BASELINE_RE
         "errors": current["n_errors"] + base["n_errors"],
     }
     peak = summary["rss_peak_active_mib"]
+    label = "capacity" if rank == RANK else f"capacity (rank {rank})"
     return {
-        "benchmark": "capacity",
-        "settings": {"model": "SmolLM2-135M-Instruct", "rank": RANK, "step": "forward_backward 1 x 64 + optim_step",
+        "benchmark": "capacity" if rank == RANK else f"capacity-rank{rank}",
+        "settings": {"model": "SmolLM2-135M-Instruct", "rank": rank, "step": "forward_backward 1 x 64 + optim_step",
                      "runs_target": target, "creating_threads": threads, "create_budget_s": create_s,
                      "page_idle_seconds": page_idle, "max_resident_runs": MAX_RESIDENT, "page_in_probes": n_probe,
                      "active_runs": n_active,
                      "active_s": active_s, "baseline_ref": baseline, "baseline_commit": sha, "dtype": dtype},
         "summary": summary, "current": current, "baseline": base,
         "checks": [
-            {"name": "capacity: runs created and stepped once on one server", "ratio": float(summary["runs_reached"]),
+            {"name": f"{label}: runs created and stepped once on one server", "ratio": float(summary["runs_reached"]),
              "target": float(target), "op": ">=", "unit": "ops"},
-            {"name": f"capacity: server RSS with {n_active} runs active after the rest were created / a one-run "
+            {"name": f"{label}: server RSS with {n_active} runs active after the rest were created / a one-run "
                      "server's", "ratio": peak / one if peak else None, "target": 2.0, "op": "<="},
-            {"name": "capacity: page-in p50 (first forward of a paged-out run minus the same forward resident)",
+            {"name": f"{label}: page-in p50 (first forward of a paged-out run minus the same forward resident)",
              "ratio": summary["page_in_p50_ms"], "target": 100.0, "op": "<=", "unit": "ms"},
-            {"name": "capacity: errors", "ratio": float(summary["errors"]), "target": 0.0, "op": "<=",
+            {"name": f"{label}: errors", "ratio": float(summary["errors"]), "target": 0.0, "op": "<=",
              "unit": "errors"},
-            {"name": "(info) capacity: server RSS once every run is paged out / a one-run server's",
+            {"name": f"(info) {label}: server RSS once every run is paged out / a one-run server's",
              "ratio": summary["rss_after_creation_settled_mib"] / one
              if summary["rss_after_creation_settled_mib"] else None, "target": None, "op": None},
-            {"name": "(info) capacity: page-out per run, mean (server metrics)", "ratio": summary["page_out_mean_ms"],
+            {"name": f"(info) {label}: page-out per run, mean (server metrics)", "ratio": summary["page_out_mean_ms"],
              "target": None, "op": None, "unit": "ms"},
-            {"name": "(info) capacity: runs the baseline held before a guard stopped it",
+            {"name": f"(info) {label}: runs the baseline held before a guard stopped it",
              "ratio": float(summary["baseline_runs_reached"]), "target": None, "op": None, "unit": "ops"},
         ],
     }

@@ -11,11 +11,12 @@ ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fai
 
 
 def load(results_dir: Path) -> dict[str, dict]:
+    """Every result present, in ORDER; a benchmark's variants (capacity-rank8.json: `--rank`) after it."""
     out = {}
     for name in ORDER:
-        path = results_dir / f"{name}.json"
-        if path.exists():
-            out[name] = json.loads(path.read_text())
+        for path in [results_dir / f"{name}.json", *sorted(results_dir.glob(f"{name}-*.json"))]:
+            if path.exists():
+                out[path.stem] = json.loads(path.read_text())
     return out
 
 
@@ -135,7 +136,7 @@ def absolute(name: str, r: dict) -> str:
                          f"sample p50 {fmt_s(row['sample_p50_s'])} / p99 {fmt_s(row['sample_p99_s'])}, "
                          f"{row['errors']} errors")
         return "; ".join(parts)
-    if name == "capacity":
+    if name.startswith("capacity"):
         s = r["summary"]
         return (f"{s['runs_reached']} of {s['runs_target']} runs ({s['stopped']}); RSS one run "
                 f"{s['rss_one_run_mib']:.0f} MiB, all paged out {fmt_s(s['rss_after_creation_settled_mib'], 'MiB')}, "
@@ -371,7 +372,8 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "tree with `--page-idle-seconds 10`: RSS with one run, once all are paged out, and at its peak while 50 "
         "runs train from 50 clients for 60 s; page-in = a paged-out run's first forward (1 x 16) minus the same "
         "forward right after. The baseline (no paging): the runs it held and RSS per run. Targets: RSS (50 active) "
-        "<= 2x one run's; page-in p50 <= 100 ms; 1,000 runs; zero errors.",
+        "<= 2x one run's; page-in p50 <= 100 ms; 1,000 runs; zero errors. capacity-rank8 (`--only capacity --rank 8`): "
+        "the same at LoRA rank 8, whose 1,000 paged runs (~32 GiB) fit a disk that rank 32's (~127 GiB) do not.",
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                              "BF16, else float32)")
     parser.add_argument("--baseline", default=None,
                         help="the commit tenants and capacity compare against (default: bench.baseline.BASELINE_REF)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="capacity's LoRA rank (default 32, the issue's); another rank's result is written as "
+                             "capacity-rank{R}.json")
     args = parser.parse_args(argv)
     names = [n.strip() for o in args.only for n in o.split(",") if n.strip()] or BENCHMARKS
     unknown = [n for n in names if n not in BENCHMARKS + OPTIONAL]
@@ -66,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         try:
             bench_run = importlib.import_module(f"bench.{name}").run
-            takes_baseline = "baseline" in inspect.signature(bench_run).parameters
-            extra = {"baseline": args.baseline} if args.baseline and takes_baseline else {}
+            takes = inspect.signature(bench_run).parameters
+            extra = {k: v for k, v in (("baseline", args.baseline), ("rank", args.rank)) if v and k in takes}
             result = bench_run(quick=args.quick, dtype=dtype, **extra)
         except Exception as e:  # keep going: one broken benchmark should not hide the others
             import traceback
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         result["machine"] = before
         result["load_average_after"] = list(os.getloadavg())
         result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        with open(results_dir / f"{name}.json", "w") as f:
+        with open(results_dir / f"{result.get('benchmark', name)}.json", "w") as f:  # capacity-rank8 etc.
             json.dump(result, f, indent=2, default=str)
         print(f"== {name}: {result['elapsed_s']:.0f}s", flush=True)
         for c in result.get("checks", []):
