@@ -3,6 +3,7 @@ back to the system (measured as the process's RSS), files gone with their runs."
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig
-from whitney.engine import paging
+from whitney.engine import page_file, paging
 from whitney.engine.backend import EngineConfig
 from whitney.engine.optim import AdamParams
 from whitney.engine.paging import PagedMoments, remove_leftovers
@@ -440,6 +441,39 @@ def test_paged_out_and_deleted_runs_give_their_memory_back(tiny_llama, tmp_path)
     for i in range(8):
         engine.delete_run(f"r{i}")
     assert back - _rss() > 0.8 * held, "deleted runs' memory returned"
+
+
+def test_paged_runs_of_one_config_in_one_state_keep_one_list_of_entries(tiny_llama, tmp_path):
+    """What a paged-out run keeps in memory does not grow with its tensor count: runs of one adapter config in
+    the same state write the same entries, and keep one list of them (page_file.Layout; SmolLM2: 422 per
+    file, ~240 KB per run), gone with the last run keeping it."""
+    gc.collect()
+    layouts = len(page_file._LAYOUTS)
+    engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    for i, rank in enumerate([4, 4, 4, 8]):
+        engine.create_run(f"r{i}", tiny_llama, LoraConfig(rank=rank, seed=i))
+        engine.forward_backward(f"r{i}", _data(i))
+        engine.optim_step(f"r{i}", {"learning_rate": 0.01})
+    engine.forward_backward("r2", _data(9))  # a gradient waiting for its optim_step: one more group in its file
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 4 and not engine.pager.settle()
+    paged = engine.pager.paged
+    assert paged["r0"].entries is paged["r1"].entries
+    assert paged["r0"].optimizer.entries is paged["r1"].optimizer.entries is paged["r2"].optimizer.entries
+    assert paged["r2"].entries != paged["r0"].entries and paged["r3"].entries != paged["r0"].entries
+    assert len(page_file._LAYOUTS) == layouts + 5  # adapter files: rank 4, rank 4 with a gradient, rank 8; moments: 2
+    kept = Engine()  # the same runs, never paged: the shared entries read each run's own bytes back
+    for i, rank in enumerate([4, 4, 4, 8]):
+        kept.create_run(f"r{i}", tiny_llama, LoraConfig(rank=rank, seed=i))
+        kept.forward_backward(f"r{i}", _data(i))
+        kept.optim_step(f"r{i}", {"learning_rate": 0.01})
+    kept.forward_backward("r2", _data(9))
+    for i in range(4):
+        _assert_same_state(kept, engine, f"r{i}")
+    for i in range(4):
+        engine.delete_run(f"r{i}")
+    gc.collect()
+    assert len(page_file._LAYOUTS) == layouts
 
 
 def _resident(engine: Engine) -> set[str]:

@@ -1,8 +1,8 @@
 """Page files (engine/paging.py): a run's tensors written to a file and read back bitwise equal.
 
 A file is the tensors' bytes one after another, each at an offset that is a multiple of 64 bytes, written
-with a few `writev` calls; what each one is stays in memory (`PageEntry`s, kept by the pager), so the file
-needs no header. A paged-out run has two: its adapter with the rest, and its AdamW moments.
+with a few `writev` calls; what each one is stays in memory (`PageEntry`s, kept by the pager, one list for
+every file of the same layout: `Layout`), so the file needs no header. A paged-out run has two: its adapter with the rest, and its AdamW moments.
 
 Reading back: the tensors of one block (the adapter, each AdamW moment, the gradients, one stage, one
 version: tensors that are dropped together) are read with one `readinto` into memory of their own and each
@@ -21,6 +21,7 @@ import itertools
 import mmap
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,9 +50,30 @@ class PageEntry:
     offset: int  # where its bytes start in the file (a multiple of _ALIGN)
 
 
-def write_file(path: Path, groups) -> tuple[list[PageEntry], int]:
+class Layout(list):
+    """A page file's entries, in order. Equal layouts are one object (`write_file` shares them)."""
+
+
+# Every layout some paged run keeps, by its entries: runs of one adapter config in the same state write the same
+# entries (names, shapes, offsets), so a thousand paged runs keep one list of them, not a thousand (SmolLM2 at
+# any rank: 422 entries per file, ~240 KB of Python objects per paged run). Dropped with the last run keeping it.
+_LAYOUTS: "weakref.WeakValueDictionary[tuple[PageEntry, ...], Layout]" = weakref.WeakValueDictionary()
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _shared(entries: list[PageEntry]) -> Layout:
+    key = tuple(entries)
+    with _LAYOUTS_LOCK:
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            layout = _LAYOUTS[key] = Layout(key)
+    return layout
+
+
+def write_file(path: Path, groups) -> tuple[Layout, int]:
     """Write the tensors of `groups` ((kind, group, (name, tensor) pairs) each) to a new file at `path`, each at
-    a multiple of _ALIGN, with a few writevs; (what is where, their bytes). No file is left if it fails."""
+    a multiple of _ALIGN, with a few writevs; (what is where, shared with every equal file's; their bytes). No
+    file is left if it fails."""
     entries, total = [], 0
     try:
         with open(path, "wb", buffering=0) as f:
@@ -78,7 +100,7 @@ def write_file(path: Path, groups) -> tuple[list[PageEntry], int]:
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    return entries, total
+    return _shared(entries), total
 
 
 def read_file(path: Path, entries: list[PageEntry], device: torch.device, what: str):

@@ -57,7 +57,7 @@ import torch
 from whitney.engine.config import check_optional_count
 from whitney.engine.lora import Adapter, LoraConfig
 from whitney.engine.optim import OptimizerState
-from whitney.engine.page_file import PageEntry, read_file, write_file
+from whitney.engine.page_file import Layout, read_file, write_file
 from whitney.engine.sampler import SampleRequest
 from whitney.errors import InvalidInput
 
@@ -103,7 +103,7 @@ class PagedMoments:
 
     owner: "Pager"
     path: Path
-    entries: list[PageEntry]
+    entries: Layout
     step: int
     nbytes: int
 
@@ -134,7 +134,7 @@ class PagedRun:
     """What stays in memory of a paged-out run: its file, what is in it and the configs of its adapters."""
 
     path: Path
-    entries: list[PageEntry]
+    entries: Layout
     lora: LoraConfig  # the adapter's
     versions: dict[int, LoraConfig]  # each sampler version's
     optimizer: OptimizerState | PagedMoments  # AdamW's state: in memory when it has no moments yet
