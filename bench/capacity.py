@@ -30,8 +30,8 @@ Targets: RSS (50 active, after 1,000 created) at most 2x the one-run server's; p
 `--rank R` runs the same at another LoRA rank, into its own result (capacity-rank{R}.json): a paged run's
 bytes scale with the rank (rank 8: ~33 MiB, 1,000 runs ~32 GiB), so where the disk cannot hold 1,000 runs
 at rank 32 the run count, the RSS with every run paged out and with 50 active are measured at a rank
-whose 1,000 runs it can hold. What a paged-out run keeps in memory (its file's entries: one per tensor,
-422 here) does not depend on the rank.
+whose 1,000 runs it can hold. What a paged-out run keeps in memory (its files' entries: one per tensor,
+1,266 here) does not depend on the rank.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def paging_metrics(client) -> dict[str, float]:
 
 def create_runs(server, target: int, threads: int, seconds: float, batch: list[dict], data_dir: Path | None,
                 errors: list[str], clients: list, rank: int = RANK) -> tuple[list, str]:
-    """Create (LoRA `rank`) and step once up to `target` runs from `threads` clients (appended to `clients`, left open), until
-    a guard trips; (the runs, why the creation stopped)."""
+    """Create (LoRA `rank`) and step once up to `target` runs from `threads` clients (appended to `clients`,
+    left open), until a guard trips; (the runs, why the creation stopped)."""
     import whitney
 
     runs: list = []

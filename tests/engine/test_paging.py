@@ -445,8 +445,8 @@ def test_paged_out_and_deleted_runs_give_their_memory_back(tiny_llama, tmp_path)
 
 def test_paged_runs_of_one_config_in_one_state_keep_one_list_of_entries(tiny_llama, tmp_path):
     """What a paged-out run keeps in memory does not grow with its tensor count: runs of one adapter config in
-    the same state write the same entries, and keep one list of them (page_file.Layout; SmolLM2: 422 per
-    file, ~240 KB per run), gone with the last run keeping it."""
+    the same state write the same entries, and keep one list of them (page_file.Layout; SmolLM2: 1,266 per
+    run, ~0.36 MB of RSS), gone with the last run keeping it."""
     gc.collect()
     layouts = len(page_file._LAYOUTS)
     engine = Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
