@@ -62,7 +62,8 @@ class Engine:
                  device: str | torch.device = EngineConfig.device,
                  page_idle_seconds: float | None = EngineConfig.page_idle_seconds,
                  max_resident_runs: int | None = EngineConfig.max_resident_runs,
-                 paging_dir: str | None = EngineConfig.paging_dir, max_pass_mib: int | None = EngineConfig.max_pass_mib):
+                 paging_dir: str | None = EngineConfig.paging_dir,
+                 max_pass_mib: int | None = EngineConfig.max_pass_mib):
         self.max_lora_rank = max_lora_rank
         self.device = resolve_device(device)  # "auto" resolved: cpu or cuda:N
         self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)  # base weights, activations
