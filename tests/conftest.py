@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+# Served models are registered in the Hugging Face hub cache under their served names (engine/hub_cache.py):
+# the suite's go to a cache of its own, never the user's (set before anything imports huggingface_hub, which
+# reads it once; servers the tests start inherit it).
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="whitney-hf-")
+atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
 
-from tests.models import make_tiny_model
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.models import make_tiny_model  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The suite's numbers are the CPU's: engines made with the default device ("auto") would pick a CUDA

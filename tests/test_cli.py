@@ -1,9 +1,13 @@
-"""`whitney serve` as a user starts it: a subprocess that prints its URL, then serves with API keys."""
+"""`whitney serve` as a user starts it: a subprocess that prints its URL, then serves with API keys, logs its
+requests and operations, and says when it stops; its help, its port check and its compute threads."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +18,8 @@ import httpx
 def test_serve_prints_its_url_and_requires_the_api_key(tiny_llama, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "whitney.cli", "serve", "--model", tiny_llama, "--port", "0",
-                             "--data-dir", str(tmp_path / "data"), "--api-key", "secret", "--dtype", "bfloat16"],
+                             "--data-dir", str(tmp_path / "data"), "--api-key", "secret", "--dtype", "bfloat16",
+                             "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url, deadline, seen = None, time.time() + 120, []
@@ -33,6 +38,69 @@ def test_serve_prints_its_url_and_requires_the_api_key(tiny_llama, tmp_path):
         created = httpx.post(f"{url}/v1/sessions", json={}, headers={"Authorization": "Bearer secret"})
         assert created.status_code == 201 and created.json()["status"] == "active"
         assert (tmp_path / "data" / "whitney.db").exists(), "the default database is a SQLite file in the data dir"
+        assert "(cpu, bfloat16, 1 compute thread)" in "".join(seen), "--threads reaches the engine process"
+        assert caps.json()["models"][0]["compute_threads"] == 1
+        run = httpx.post(f"{url}/v1/sessions/{created.json()['id']}/runs", json={"lora": {"rank": 2}},
+                         headers={"Authorization": "Bearer secret"})
+        assert run.status_code == 201, run.text
+        op = httpx.post(f"{url}/v1/runs/{run.json()['id']}/optim_step", json={"seq_id": 0},
+                        headers={"Authorization": "Bearer secret"}).json()
+        deadline = time.time() + 60
+        while httpx.get(f"{url}/v1/operations/{op['id']}", headers={"Authorization": "Bearer secret"}
+                        ).json()["status"] in ("queued", "running") and time.time() < deadline:
+            time.sleep(0.05)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    # It logs each request and each operation that ended, and says that it stops.
+    assert re.search(r'INFO uvicorn.access: .* "POST /v1/sessions HTTP/1.1" 201', out), out
+    assert re.search(rf"INFO whitney.scheduler: optim_step {op['id']} of run {run.json()['id']} \(seq_id 0\) "
+                     r"succeeded, [\d.]+ s after it was submitted", out), out
+    assert "Whitney is stopping (SIGTERM)" in out and out.rstrip().endswith("Whitney stopped."), out
+
+
+def test_the_help_loads_no_torch_and_every_option_says_what_it_does():
+    probe = ("import sys\nfrom whitney.cli import main\n"
+             "for argv in (['--help'], ['serve', '--help'], ['demo', '--help'], ['keys', 'create', '--help']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print('LOADED', sorted(m for m in ('torch', 'transformers', 'sqlalchemy', 'fastapi', 'whitney.engine')"
+             " if m in sys.modules))")
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "LOADED []" in done.stdout, "printing help must not load torch, the engine or the store"
+    assert time.perf_counter() - t0 < 30  # (a second or less on an idle machine; a bound only against hangs)
+
+    from whitney.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command in ("serve", "demo"):
+        for action in commands[command]._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"whitney {command} {action.option_strings[0]} has no help"
+    serve_help = " ".join(commands["serve"].format_help().split())  # unwrapped
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 600.0)", "(default: 128)",
+                  "--threads N", "(default: info)"):
+        assert shown in serve_help, shown
+    assert "(default: 12)" in commands["demo"].format_help()
+
+
+def test_a_port_in_use_is_said_in_one_line_before_any_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "whitney.cli", "serve", "--model", str(tmp_path / "no-model"),
+                               "--port", str(port), "--data-dir", str(tmp_path / "d")],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"whitney serve: cannot listen on 127.0.0.1:{port}: the port is in use "
+                                   "(another server?); stop it or choose another --port"), done.stderr
+    assert not (tmp_path / "d").exists(), "nothing was set up before the port was checked"
+    assert time.perf_counter() - t0 < 30
+    bad = subprocess.run([sys.executable, "-m", "whitney.cli", "serve", "--port", "70000"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--port: must be a port number from 0 to 65535, got '70000'" in bad.stderr

@@ -1,4 +1,8 @@
-"""The `whitney` command: demo, serve, and keys (create, list and revoke API keys)."""
+"""The `whitney` command: demo, serve, and keys (create, list and revoke API keys).
+
+Building the parser loads neither torch nor the engine, so `whitney --help` answers at once; `serve` and
+`demo` load them once their arguments are read (and `serve` has checked that its port is free).
+"""
 
 from __future__ import annotations
 
@@ -7,42 +11,67 @@ import os
 import sys
 from pathlib import Path
 
+from whitney.protocol.config import DEFAULT_MODEL
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    parser = argparse.ArgumentParser(prog="whitney", description="Fine-tuning through training primitives.")
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's help followed by its default, where it has one its help does not already state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == [] or default is argparse.SUPPRESS or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="whitney", description="Fine-tuning through training primitives.",
+                                     formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="start a server, SFT the default model over HTTP, sample before and after")
-    demo.add_argument("--model", default=None, help="base model name or local directory")
-    demo.add_argument("--steps", type=int, default=12)
-    demo.add_argument("--batch-size", type=int, default=4)
-    demo.add_argument("--rank", type=int, default=16)
-    demo.add_argument("--learning-rate", type=float, default=1e-3)
-    demo.add_argument("--base-url", default=None, help="use a running server instead of starting one")
-    serve = sub.add_parser("serve", help="start the HTTP server")
+    demo = sub.add_parser("demo", formatter_class=_HelpFormatter,
+                          help="start a server, SFT the default model over HTTP, sample before and after")
+    demo.add_argument("--model", default=None,
+                      help=f"base model: a repo id in the local Hugging Face cache or a directory (default: the "
+                           f"embedded {DEFAULT_MODEL})")
+    demo.add_argument("--steps", type=_count, default=12, help="training steps (forward_backward + optim_step)")
+    demo.add_argument("--batch-size", type=_count, default=4, help="conversations per step")
+    demo.add_argument("--rank", type=_count, default=16, help="LoRA rank")
+    demo.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate")
+    demo.add_argument("--base-url", default=None, help="use a running server at this URL instead of starting one")
+    serve = sub.add_parser("serve", formatter_class=_HelpFormatter, help="start the HTTP server")
     serve.add_argument("--model", action="append", default=None,
-                       help="base model name or local directory (repeatable; default the embedded SmolLM2)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+                       help=f"base model: a repo id in the local Hugging Face cache or a directory (repeatable; "
+                            f"default: the embedded {DEFAULT_MODEL})")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (0: any free port)")
     serve.add_argument("--data-dir", default=None, help="checkpoints and database (default ~/.local/share/whitney)")
-    serve.add_argument("--db-url", default=None, help="SQLAlchemy URL (default sqlite in the data dir)")
+    serve.add_argument("--db-url", default=None, help="SQLAlchemy URL (default: a SQLite file in the data dir)")
     serve.add_argument("--api-key", action="append", default=[], help="required bearer key (repeatable)")
-    serve.add_argument("--session-timeout", type=float, default=600.0, help="seconds without heartbeat")
+    serve.add_argument("--session-timeout", type=float, default=600.0,
+                       help="seconds without a heartbeat before a session expires (its open runs are then cancelled)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                       help="info: a line per HTTP request and per operation ended; warning: problems only")
     add_engine_flags(serve)
     add_backend_flags(serve)
     add_request_limit_flags(serve)
     add_key_limit_flags(serve)
     add_keys_command(sub)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    from whitney.protocol.config import engine_process_env
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.update(engine_process_env())  # before anything loads torch: how its compute threads wait
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve_main(args)
     if args.command == "keys":
         return keys_main(args)
-
     if args.command == "demo":
         from whitney.demo import run_demo
-        from whitney.engine import DEFAULT_MODEL
 
         losses = run_demo(args.model or DEFAULT_MODEL, args.steps, args.batch_size, args.rank, args.learning_rate,
                           args.base_url)
@@ -51,17 +80,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_main(args) -> int:
+    import logging
     import signal
     import threading
 
-    from whitney.engine import DEFAULT_MODEL
-    from whitney.service.app import ServiceConfig, create_app, serve_in_thread
+    problem = port_problem(args.host, args.port)
+    if problem is not None:  # said before minutes of model loading, in one line
+        print(f"whitney serve: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
+
+    from dataclasses import replace
 
     from whitney.errors import WhitneyError
+    from whitney.protocol.config import usable_cpus
+    from whitney.service.app import ServiceConfig, create_app, serve_in_thread
 
+    engine = engine_config(args)
+    if engine.threads is None and args.backend == "inprocess":  # a Ray worker takes its CPUs by itself
+        engine = replace(engine, threads=usable_cpus())
     try:
         config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
-                               session_timeout=args.session_timeout, engine=engine_config(args),
+                               session_timeout=args.session_timeout, engine=engine,
                                limits=request_limits(args), require_keys=args.require_keys,
                                key_limits=key_limits(args), **backend_config(args))
     except WhitneyError as e:
@@ -77,38 +118,88 @@ def serve_main(args) -> int:
         print(f"whitney serve: {e.message}", file=sys.stderr)
         return 2
     scheduler = app.state.whitney.scheduler
-    server = serve_in_thread(app, args.host, args.port)
-    placed = sorted({f"{m.device}, {m.compute_dtype}" for m in scheduler.backend.models.values()})
+    try:
+        server = serve_in_thread(app, args.host, args.port, log_level=args.log_level)
+    except RuntimeError as e:  # the port was taken while the models loaded
+        print(f"whitney serve: {e}", file=sys.stderr)
+        return 2
+    placed = sorted({f"{m.device}, {m.compute_dtype}, {m.compute_threads} compute thread"
+                     + ("s" if m.compute_threads != 1 else "") for m in scheduler.backend.models.values()})
     print(f"Whitney is serving {', '.join(config.models)} at {server.url} ({'; '.join(placed)})", flush=True)
     print(f"The web console is at {server.url}/console/"
           + (" (sign in with an API key)" if app.state.whitney.keys.required() else ""), flush=True)
+
+    def stop(signum: int, _frame) -> None:
+        print(f"Whitney is stopping ({signal.Signals(signum).name}) once the engine call in progress ends; "
+              "operations still queued then fail with server_restarted, their runs interrupted (resume from a "
+              "checkpoint)", flush=True)
+        scheduler.stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: scheduler.stop())
+        signal.signal(sig, stop)
     # Should the HTTP thread ever end on its own, stop the worker too rather than serve nothing.
     threading.Thread(target=lambda: (server.thread.join(), scheduler.stop()), daemon=True).start()
     try:
         scheduler.run()
     finally:
         server.stop()
+    print("Whitney stopped.", flush=True)
     return 0
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why `whitney serve` could not listen on host:port (taken, or not an address of this machine), as one
+    line; None when it can. Port 0 (any free port) always can."""
+    import errno
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        return f"{host!r} is not an address of this machine ({e.strerror})"
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closed server's port is free
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "the port is in use (another server?); stop it or choose another --port"
+            return (e.strerror or str(e)).lower()
+    return None
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (argparse reports the rule on anything else)."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
+    return int(text)
 
 
 # ---- the engine ---------------------------------------------------------------------------------
 
 def add_engine_flags(serve: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --max-lora-rank, --max-sequences, --max-cached-tokens, --page-idle-seconds: defaults
-    from EngineConfig."""
-    from whitney.engine.backend import EngineConfig
+    """--device, --dtype, --threads, --max-lora-rank, --max-sequences, --max-cached-tokens, --page-idle-seconds,
+    --max-resident-runs, --max-pass-mib: defaults from EngineConfig."""
+    from whitney.protocol.config import EngineConfig
 
     default = EngineConfig()
-    serve.add_argument("--max-lora-rank", type=int, default=default.max_lora_rank)
-    serve.add_argument("--max-sequences", type=int, default=default.max_sequences,
-                       help="sampling: concurrent sequences")
-    serve.add_argument("--max-cached-tokens", type=int, default=default.max_cached_tokens,
-                       help="sampling: KV-cache tokens")
+    serve.add_argument("--max-lora-rank", type=_count, default=default.max_lora_rank,
+                       help="the largest LoRA rank a run may ask for")
+    serve.add_argument("--max-sequences", type=_count, default=default.max_sequences,
+                       help="sampling: concurrent sequences per base model (more wait in a queue)")
+    serve.add_argument("--max-cached-tokens", type=_count, default=default.max_cached_tokens,
+                       help="sampling: KV-cache tokens per base model (more wait in a queue)")
     serve.add_argument("--device", default=default.device, metavar="auto|cpu|cuda|cuda:N",
                        help="where base weights, adapters, optimizer state and caches live (auto: CUDA when "
-                            f"present, else the CPU; default {default.device})")
+                            "present, else the CPU)")
+    serve.add_argument("--threads", type=_count, default=default.threads, metavar="N",
+                       help="compute threads of each engine process (this one, or each Ray worker, sampler "
+                            "replica and sharded rank); waiting threads sleep rather than spin, so a busy machine "
+                            "does not stall training (default: the CPUs the process may use; a Ray worker's "
+                            "CPUs)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=default.compute_dtype,
                        help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
                             "auto: float32 on the CPU, bfloat16 on CUDA; bfloat16 is several times faster on "
@@ -127,12 +218,12 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args):
-    from whitney.engine.backend import EngineConfig
+    from whitney.protocol.config import EngineConfig
 
     return EngineConfig(max_lora_rank=args.max_lora_rank, device=args.device, compute_dtype=args.dtype,
                         max_sequences=args.max_sequences, max_cached_tokens=args.max_cached_tokens,
                         page_idle_seconds=args.page_idle_seconds, max_resident_runs=args.max_resident_runs,
-                        max_pass_mib=args.max_pass_mib)
+                        max_pass_mib=args.max_pass_mib, threads=args.threads)
 
 
 def _seconds(text: str) -> float:
@@ -231,14 +322,16 @@ DEFAULT_DATA_DIR = "~/.local/share/whitney"
 
 def _limit(name: str):
     def limit(value: str) -> int:
-        from whitney.service.keys import parse_limit
+        from whitney.service.key_limits import parse_limit
 
         return parse_limit(name, value)
     return limit
 
 
 def add_key_limit_flags(serve: argparse.ArgumentParser) -> None:
-    from whitney.service.keys import LIMITS, KeyLimits
+    from dataclasses import fields
+
+    from whitney.service.key_limits import KeyLimits
 
     group = serve.add_argument_group(
         "API keys and per-key quotas", "Keys are required once --api-key is given, with --require-keys, or when "
@@ -246,15 +339,15 @@ def add_key_limit_flags(serve: argparse.ArgumentParser) -> None:
         "override the file, and a key's own limits override both. Beyond a limit: 429 with Retry-After.")
     group.add_argument("--require-keys", action="store_true", help="require a key even before any key exists")
     group.add_argument("--limits-file", default=None, help="TOML file of per-key limits: max_runs = 8, ...")
-    for name in LIMITS:
-        group.add_argument(f"--{name.replace('_', '-')}-per-key", dest=name, type=_limit(name), default=None,
-                           metavar="BYTES" if name == "max_adapter_bytes" else "N", help=f"default {getattr(KeyLimits(), name)}" + (" (units: 8GiB, 500MB)"
-                                                                           if name == "max_adapter_bytes" else ""))
+    for f in fields(KeyLimits):
+        group.add_argument(f"--{f.name.replace('_', '-')}-per-key", dest=f.name, type=_limit(f.name), default=None,
+                           metavar="BYTES" if f.name == "max_adapter_bytes" else "N",
+                           help=f"{f.metadata['help']} (default {f.default}; 0: unlimited)")
 
 
 def key_limits(args):
     """The server's per-key limits: the built-in defaults, then the --limits-file, then the flags."""
-    from whitney.service.keys import LIMITS, KeyLimits, limits_from_file
+    from whitney.service.key_limits import LIMITS, KeyLimits, limits_from_file
 
     own = limits_from_file(args.limits_file) if args.limits_file else {}
     own.update({name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None})
@@ -262,7 +355,7 @@ def key_limits(args):
 
 
 def add_keys_command(sub) -> None:
-    from whitney.service.keys import LIMITS
+    from whitney.service.key_limits import LIMITS
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys (a running server sees them within seconds)")
     actions = keys.add_subparsers(dest="action", required=True)
@@ -286,7 +379,8 @@ def keys_main(args) -> int:
     import time
 
     from whitney.errors import NotFound
-    from whitney.service.keys import LIMITS, digest_of, new_key
+    from whitney.service.key_limits import LIMITS
+    from whitney.service.keys import digest_of, new_key
     from whitney.service.store import Store
 
     if args.db_url is None:

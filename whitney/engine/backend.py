@@ -50,7 +50,7 @@ import torch
 
 from whitney.engine import chat
 from whitney.engine.allocator import keep_freed_memory
-from whitney.engine.config import EngineConfig
+from whitney.protocol.config import EngineConfig, check_optional_count
 from whitney.engine.lora import LoraConfig, adaptable_short_names, lora_numel, validate_lora_config
 from whitney.engine.model import COMPUTE_DTYPES, BaseModel
 from whitney.engine.optim import AdamParams
@@ -77,6 +77,7 @@ class ModelInfo:
     linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # path -> (in, out[, E])
     weight_bytes: int = 0  # the frozen base's tensors held by the worker (its shard, when sharded)
     vision: bool = False  # takes image chunks (a vision-language checkpoint with its processor; engine/vision.py)
+    compute_threads: int = 1  # torch's intra-op threads in the process that trains it (EngineConfig.threads)
 
     @classmethod
     def of(cls, base: BaseModel, name: str) -> "ModelInfo":
@@ -86,7 +87,7 @@ class ModelInfo:
                    compute_dtype=next(k for k, v in COMPUTE_DTYPES.items() if v == base.compute_dtype),
                    device=str(base.device), eos_token_ids=tuple(base.eos_token_ids),
                    linear_shapes=dict(base.linear_shapes), weight_bytes=tensor_bytes(vars(base)),
-                   vision=base.vision is not None)
+                   vision=base.vision is not None, compute_threads=torch.get_num_threads())
 
 
 def tensor_bytes(obj, seen: set[int] | None = None) -> int:
@@ -222,6 +223,9 @@ class InProcessBackend(chat.TextMethods):
         """An engine with `config`, its base models loaded; the process's heap keeps freed memory for reuse
         (allocator.py: no page faults on every call's large tensors)."""
         keep_freed_memory()
+        check_optional_count("threads", config.threads, "the process's own setting")
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         engine = Engine(max_lora_rank=config.max_lora_rank, compute_dtype=config.compute_dtype,
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
                         max_prefill_tokens=config.max_prefill_tokens, device=config.device,
@@ -240,7 +244,7 @@ class InProcessBackend(chat.TextMethods):
                             max_sequences=e.max_sequences, max_cached_tokens=e.max_cached_tokens,
                             max_prefill_tokens=e.max_prefill_tokens, page_idle_seconds=e.pager.idle_seconds,
                             max_resident_runs=e.pager.max_resident, paging_dir=str(e.pager.root),
-                            max_pass_mib=e.max_pass_mib)
+                            max_pass_mib=e.max_pass_mib, threads=torch.get_num_threads())
 
     def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
         """Load a base model (once) and describe it; `alias` names the same model a second way."""

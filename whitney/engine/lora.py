@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from whitney.engine.model import (
     ATTN_PROJECTIONS, MLP_PROJECTIONS, LAYER_PROJECTIONS, UNEMBED, BaseModel, module_path,
 )
-from whitney.engine.config import EngineConfig
+from whitney.protocol.config import EngineConfig
 from whitney.errors import InvalidInput, check
 
 DEFAULT_MAX_RANK = EngineConfig.max_lora_rank

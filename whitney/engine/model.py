@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from whitney.engine import hub_cache
 from whitney.errors import NotFound, InvalidInput
+from whitney.protocol.config import DEFAULT_MODEL
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # the hand-written fast path (transformer.py); see general.py
 # Adaptable projections of one decoder layer, by the Hugging Face module path inside the layer.
 LAYER_PROJECTIONS = {
@@ -238,13 +239,15 @@ def resolve_model_dir(name: str) -> Path:
 def load_base_model(name: str = DEFAULT_MODEL, compute_dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> BaseModel:
     """Load a base model's frozen weights and tokenizer, stored in `compute_dtype` (float32 or bfloat16) on
-    `device` (read on the CPU, then moved once).
+    `device` (read on the CPU, then moved once). The name it is served under is registered in the local Hugging
+    Face cache (hub_cache.py), so clients on this machine load its tokenizer and base by that name, offline.
 
     LoRA weights, optimizer state, log-probs and losses stay float32 in either mode.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_dir(name)
+    hub_cache.register(shown_name(name), path)  # clients load it by the name they are given, offline
     try:
         try:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

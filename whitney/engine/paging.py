@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from whitney.engine.config import check_optional_count
+from whitney.protocol.config import check_optional_count
 from whitney.engine.lora import Adapter, LoraConfig
 from whitney.engine.optim import OptimizerState
 from whitney.engine.page_file import Layout, read_file, write_file

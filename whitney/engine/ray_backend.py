@@ -38,7 +38,7 @@ from typing import Any
 from whitney.engine import chat
 from whitney.engine.backend import Failure, ModelInfo, Weights, WorkerLost, adapter_bytes, raise_failure
 from whitney.engine.checkpoint import read_manifest
-from whitney.engine.config import EngineConfig
+from whitney.protocol.config import EngineConfig, engine_process_env
 from whitney.engine.lora import LoraConfig
 from whitney.engine.optim import AdamParams
 from whitney.engine.ray_worker import ModelWorker, Placement, Raised
@@ -88,8 +88,7 @@ class RayBackend(chat.TextMethods):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             try:
-                ray.init(address=address, log_to_driver=False, configure_logging=False,
-                         runtime_env={"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}})
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise InvalidInput(f"cannot start or reach a Ray cluster at {address or 'a new local instance'}: "
                                    f"{e}", field="ray_address") from None
@@ -106,10 +105,12 @@ class RayBackend(chat.TextMethods):
         self._tokenizers: dict[str, Any] = {}  # model -> its tokenizer, fetched once from its trainer
         self._tokenizer_lock = threading.Lock()
         actor = ray.remote(ModelWorker)
+        # Each worker process's environment, whoever started Ray: offline, and how its compute threads wait.
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **engine_process_env()}
         try:
             for p in placements:
                 options = dict(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,
-                               max_restarts=-1, max_task_retries=0)
+                               max_restarts=-1, max_task_retries=0, runtime_env={"env_vars": env})
                 self._names[p.model] = self._names[p.name] = p.name
                 self._trainers[p.name] = _Worker([actor.options(**options).remote(config, p.model, p.name, rank,
                                                                                   p.shards)

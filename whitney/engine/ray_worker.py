@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from whitney.engine.backend import Failure, InProcessBackend, ModelInfo
-from whitney.engine.config import EngineConfig
+from whitney.protocol.config import EngineConfig
 from whitney.engine.sampler import SampleProgress, SampleResult
 from whitney.errors import InvalidInput, WhitneyError
 
@@ -65,8 +65,9 @@ class ModelWorker:
         import torch
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        # As many compute threads as the CPUs Ray gave this worker (its share of the node).
-        torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+        # --threads, else as many compute threads as the CPUs Ray gave this worker (its share of the node).
+        cpus = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
+        torch.set_num_threads(config.threads or max(1, cpus))
         self.config, self.model, self.name, self.rank, self.shards = config, model, name, rank, shards
         self.backend: InProcessBackend | None = None
         self.info: ModelInfo | None = None
@@ -106,7 +107,9 @@ class ModelWorker:
             torch.cuda.set_device(0)  # Ray shows each rank only its own device
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=self.rank,
                                 world_size=self.shards, timeout=timedelta(seconds=120))
-        self._load(InProcessBackend(ShardedEngine(**asdict(self.config))))
+        engine_settings = asdict(self.config)
+        del engine_settings["threads"]  # the process's, set in __init__
+        self._load(InProcessBackend(ShardedEngine(**engine_settings)))
         return self.describe()
 
     def describe(self) -> tuple[ModelInfo | Raised | None, int, str]:

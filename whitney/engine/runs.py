@@ -18,7 +18,7 @@ import torch
 from whitney.engine import checkpoint as ckpt
 from whitney.engine import vision
 from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
-from whitney.engine.config import EngineConfig, check_optional_count
+from whitney.protocol.config import EngineConfig, check_optional_count
 from whitney.engine.hf_sampler import HFSampler
 from whitney.engine.lora import Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
 from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from whitney.engine import vision
-from whitney.engine.config import EngineConfig
+from whitney.protocol.config import EngineConfig
 from whitney.engine.lora import Adapter, RowGroups
 from whitney.engine.model import BaseModel, full_logprobs
 from whitney.engine.prompt_scores import score_prompt

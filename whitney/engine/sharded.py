@@ -66,6 +66,7 @@ from whitney.engine.optim import AdamParams, OptimizerState
 from whitney.engine.run import Run
 from whitney.engine.runs import Engine
 from whitney.errors import Conflict, InvalidInput, NotFound
+from whitney.protocol.config import usable_cpus
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -354,7 +355,7 @@ def _rank_main(rank: int, n: int, port: int, backend: str, fn: Callable, args: t
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:  # n ranks share the CPU's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+        torch.set_num_threads(max(1, usable_cpus() // n))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     try:
         # Pickled here, by value: a tensor put on the queue as is would be shared through a file

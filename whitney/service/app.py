@@ -244,11 +244,21 @@ class ThreadedServer:
         self.thread.join(timeout=30)
 
 
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> ThreadedServer:
-    """Serve `app` from a daemon thread; port 0 takes a free one. Returns once it accepts connections."""
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
+                    log_level: str | None = None) -> ThreadedServer:
+    """Serve `app` from a daemon thread; port 0 takes a free one. Returns once it accepts connections.
+
+    log_level None: uvicorn's warnings only (tests, the demo); else uvicorn logs through the logging already
+    configured (`whitney serve`), a line per request at "info" and below.
+    """
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    if log_level is None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    else:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
+                                access_log=log_level in ("debug", "info"))
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -140,12 +141,18 @@ def sample_result(result: SampleResult) -> dict:
 
 
 def end_move(operation: dict, result: dict | None, error: BaseException | Failure | None) -> tuple:
-    """The store move (op_id, status, result, error) of an operation that ended with `result` or `error`
-    (an error of the server's own is logged, with its traceback where there is one)."""
-    if error is None:
-        return operation["id"], OperationStatus.SUCCEEDED, result, None
-    failure = error if isinstance(error, Failure) else Failure.of(error)
-    if failure.category == "server":
+    """The store move (op_id, status, result, error) of an operation that ended with `result` or `error`.
+    Each end is logged at INFO (kind, id, run and seq_id, outcome, seconds since it was submitted); an error of
+    the server's own at ERROR, with its traceback where there is one."""
+    failure = None if error is None else error if isinstance(error, Failure) else Failure.of(error)
+    if failure is not None and failure.category == "server":
         log.error("operation %s (%s) failed: %s", operation["id"], operation["kind"], failure.message,
                   exc_info=error if isinstance(error, BaseException) else None)
+    elif log.isEnabledFor(logging.INFO):
+        run = f" of run {operation['run_id']} (seq_id {operation['seq_id']})" if operation.get("run_id") else ""
+        outcome = "succeeded" if failure is None else f"failed ({failure.code}: {failure.message})"
+        log.info("%s %s%s %s, %.2f s after it was submitted", operation["kind"], operation["id"], run, outcome,
+                 time.time() - operation.get("created_at", time.time()))
+    if failure is None:
+        return operation["id"], OperationStatus.SUCCEEDED, result, None
     return operation["id"], OperationStatus.FAILED, None, failure.to_dict()

