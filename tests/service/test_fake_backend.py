@@ -36,6 +36,7 @@ class FakeBackend:
     staged: dict[tuple[str, str], float] = field(default_factory=dict)
     samples: dict[str, list] = field(default_factory=dict)  # request id -> [prompt, params, tokens]
     broken: bool = False  # run_batch raises (a backend bug)
+    broken_commits: set[str] = field(default_factory=set)  # runs whose staged gradient commit_gradients cannot take
     lost: list[str] = field(default_factory=list)  # runs take_lost_runs reports next
     separate_sampling: bool = False
 
@@ -81,6 +82,8 @@ class FakeBackend:
 
     def commit_gradients(self, run_id, stage) -> None:
         self.calls.append(("commit", run_id, stage))
+        if run_id in self.broken_commits:
+            raise RuntimeError(f"the fake cannot commit {run_id}'s gradient")
         self.grads[run_id] += self.staged.pop((run_id, stage))
 
     def discard_gradients(self, run_id, stage) -> None:
@@ -321,6 +324,24 @@ def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):
     assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2)))["status"] == "succeeded"
     saved = wait(scheduler.store, submit("a", 2, "save_state", SaveJob("s")))
     assert saved["status"] == "succeeded" and saved["result"]["package"]["name"] == "s"
+
+
+def test_a_bug_while_ending_one_operation_fails_it_alone_and_the_worker_goes_on(fake):
+    """An error after the engine call (committing a staged gradient here) ends that operation as a server error;
+    the other run's operation in the same call succeeds, and both runs go on (nothing is left running)."""
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    open_run("b")
+    backend.broken_commits.add("a")
+    bad = submit("a", 0, "forward_backward", fb(4, 4, 4))  # 12 tokens, budget 10: staged, then committed
+    good = submit("b", 0, "forward_backward", fb(2))
+    bad, good = wait(scheduler.store, bad), wait(scheduler.store, good)
+    assert bad["status"] == "failed" and bad["error"]["category"] == "server", bad
+    assert good["status"] == "succeeded" and backend.grads["b"] == 2.0
+    assert ("discard", "a", bad["id"]) in backend.calls and not backend.staged, "the staged gradient is dropped"
+    backend.broken_commits.clear()
+    assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2)))["status"] == "succeeded"
+    assert backend.grads["a"] == 2.0
 
 
 def test_sampling_apart_runs_on_its_own_thread(fake):

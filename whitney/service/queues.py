@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from whitney.engine import ForwardResult
+from whitney.engine import ForwardResult, merge_results
 from whitney.engine.backend import Backend, Failure, Weights
 from whitney.engine.sampler import SampleProgress, SampleResult
-from whitney.service.jobs import Job, sample_result_dict
+from whitney.service.jobs import Job, forward_result_dict, sample_result_dict
 from whitney.service.lifecycle import OperationStatus
 from whitney.service.images import known_length
 from whitney.service.limits import plan_micro_batches
@@ -31,6 +31,34 @@ class Progress:
     done: int = 0  # datums already run
     parts: list[ForwardResult] = field(default_factory=list)
     staged: bool = False  # runs in more than one micro-batch: its gradient is staged under its id
+
+
+def end_of_part(backend: Backend, operation: dict, progress: Progress, result: ForwardResult | Failure, start: int,
+                end: int, datums: int, backward: bool) -> tuple | None:
+    """An engine call's result for the operation's datums [start, end): its end (operation, result, failure) once
+    the operation is whole or has failed, else None (micro-batches to come). A bug while ending it (merging the
+    parts, committing a staged gradient) fails this operation as a server error rather than leaving it running."""
+    try:
+        if isinstance(result, Failure):
+            if progress.staged:
+                backend.discard_gradients(operation["run_id"], operation["id"])
+            if result.datum_index is not None:  # the index within the whole operation
+                result = replace(result, datum_index=result.datum_index + start)
+            return operation, None, result
+        progress.parts.append(result)
+        progress.done = end
+        if end < datums:
+            return None
+        if progress.staged and backward:
+            backend.commit_gradients(operation["run_id"], operation["id"])
+        return operation, forward_result_dict(merge_results(progress.parts)), None
+    except Exception as e:
+        if progress.staged:
+            try:
+                backend.discard_gradients(operation["run_id"], operation["id"])
+            except Exception:
+                log.exception("discarding the staged gradient of %s failed too", operation["id"])
+        return operation, None, e
 
 
 @dataclass

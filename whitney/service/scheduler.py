@@ -25,19 +25,19 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from whitney.engine import ForwardRequest, LoraConfig, merge_results
+from whitney.engine import ForwardRequest, LoraConfig
 from whitney.engine.backend import Backend, Failure, Weights
 from whitney.engine.sampler import SampleProgress, SamplingParams
-from whitney.service.jobs import ForwardJob, Job, OptimJob, Refused, forward_result_dict
+from whitney.service.jobs import ForwardJob, Job, OptimJob, Refused
 from whitney.service.lifecycle import (OPERATION_TERMINAL, RUN_OPEN, OperationKind, OperationStatus, RunStatus,
                                        SessionStatus)
 from whitney.service.limits import plan_micro_batches
 from whitney.service.packages import reap
-from whitney.service.queues import Lane, Progress, RunQueue, SampleStream, Scoring, end_move, sample_result
+from whitney.service.queues import (Lane, Progress, RunQueue, SampleStream, Scoring, end_move, end_of_part,
+                                    sample_result)
 from whitney.service.saves import execute
 from whitney.service.store import Store
 
@@ -382,21 +382,9 @@ class Scheduler:
             with self._lock:
                 if self._runs.get(op["run_id"]) is not queue:  # cancelled meanwhile: cancel_run answered it
                     continue
-            progress = queue.progress
-            if isinstance(result, Failure):
-                if progress.staged:
-                    self.backend.discard_gradients(op["run_id"], op["id"])
-                if result.datum_index is not None:  # the index within the whole operation
-                    result = replace(result, datum_index=result.datum_index + start)
-                ends.append((op, None, result))
-                continue
-            progress.parts.append(result)
-            progress.done = end
-            if end < len(job.data):
-                continue
-            if progress.staged and backward:
-                self.backend.commit_gradients(op["run_id"], op["id"])
-            ends.append((op, forward_result_dict(merge_results(progress.parts)), None))
+            ended = end_of_part(self.backend, op, queue.progress, result, start, end, len(job.data), backward)
+            if ended is not None:
+                ends.append(ended)
         for op, _, _ in ends:
             self._advance(op)
         return ends
