@@ -3,8 +3,8 @@
 Per row: ce_coef * CE_sum / N_CE + kl_coef * KL_sum / N_KL with CE_sum = -sum_{loss_mask} l_t and
 KL_sum = sum over the K id-paired positions of KL(teacher || student) over the full vocabulary; an
 empty component contributes zero; the loss is the sum over rows; the teacher gets no gradient.
-Metrics: opsd_objective_sum (the loss), opsd_kl (mean KL over all KL tokens of the request),
-ce_loss (mean CE over all loss_mask tokens of the request).
+Metrics: opsd_objective_sum:sum (the loss), opsd_kl:mean (mean KL over all KL tokens of the request),
+ce_loss:mean (mean CE over all loss_mask tokens of the request).
 
 Function level: opsd.objective on random log-prob tensors. Engine level: forward and forward_backward
 on the tiny models, the reference computed by a float64 Hugging Face model (student stream =
@@ -80,9 +80,9 @@ def objective_reference(rows, ce_coef: float, kl_coef: float):
         per_token.extend(contrib)
         g_lp.append(gl)
         g_z.append(gz)
-    metrics = {"opsd_objective_sum": total,
-               "opsd_kl": sum(kl_all) / len(kl_all) if kl_all else 0.0,
-               "ce_loss": sum(ce_all) / len(ce_all) if ce_all else 0.0}
+    metrics = {"opsd_objective_sum:sum": total,
+               "opsd_kl:mean": sum(kl_all) / len(kl_all) if kl_all else 0.0,
+               "ce_loss:mean": sum(ce_all) / len(ce_all) if ce_all else 0.0}
     return total, per_token, g_lp, g_z, metrics
 
 
@@ -111,7 +111,7 @@ def test_objective_value_and_gradient(ce_coef, kl_coef):
         assert out.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-6)
     assert out.metrics["tokens:sum"] == sum(r[0].numel() for r in rows)
-    assert total > 0 and metrics["opsd_kl"] > 0 and metrics["ce_loss"] > 0  # the reference is not vacuous
+    assert total > 0 and metrics["opsd_kl:mean"] > 0 and metrics["ce_loss:mean"] > 0  # the reference is not vacuous
 
 
 def test_table_entry_on_the_engine_contract_equals_the_row_objective():
@@ -272,8 +272,8 @@ def engine_reference(model, rows: list[dict], ce_coef: float, kl_coef: float, A=
             kl_all.append(float(kl.detach()))
         lps.append(lp.detach())
         per_tokens.append(per_token)
-    metrics = {"opsd_objective_sum": float(total.detach()), "opsd_kl": sum(kl_all) / len(kl_all),
-               "ce_loss": sum(ce_all) / len(ce_all)}
+    metrics = {"opsd_objective_sum:sum": float(total.detach()), "opsd_kl:mean": sum(kl_all) / len(kl_all),
+               "ce_loss:mean": sum(ce_all) / len(ce_all)}
     return total, lps, per_tokens, metrics
 
 
@@ -296,7 +296,7 @@ def test_engine_forward_matches_float64_reference(engine, tiny_model):
     with torch.no_grad():
         ref = engine_reference(hf64(tiny_model), rows, 1.0, 1.0)
     check_result(res, *ref)
-    assert ref[3]["opsd_kl"] > 1e-3  # teacher and student really differ (hint-conditioned)
+    assert ref[3]["opsd_kl:mean"] > 1e-3  # teacher and student really differ (hint-conditioned)
     # Pairing by kl_id matters: pairing row 1 in stream order would give a different loss.
     swapped = copy.deepcopy(rows)
     swapped[1]["teacher_kl_ids"] = stream_datum([500, 600], [31, 32, 31, 32], [9, 10], set())["teacher_kl_ids"]
@@ -344,7 +344,7 @@ def test_engine_kl_only_matches_reference(engine, tiny_llama):
         total, lps, per_tokens, metrics = engine_reference(hf64(tiny_llama), rows, 0.0, 1.0)
     check_result(res, total, lps, per_tokens, metrics)
     # The loss is the KL part alone: the sum over rows of each row's mean KL.
-    assert res.loss == pytest.approx(float(total), rel=1e-4) and metrics["ce_loss"] > 0
+    assert res.loss == pytest.approx(float(total), rel=1e-4) and metrics["ce_loss:mean"] > 0
     engine.delete_run(rid)
 
 
@@ -511,9 +511,9 @@ def test_micro_batches_merge_to_one_pass(tiny_llama):
     assert merged.metrics.keys() == whole.metrics.keys()
     for name, value in whole.metrics.items():
         assert merged.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
-    tokens_weighted = sum(p.metrics["opsd_kl"] * p.metrics["tokens:sum"] for p in parts) / sum(
+    tokens_weighted = sum(p.metrics["opsd_kl:mean"] * p.metrics["tokens:sum"] for p in parts) / sum(
         p.metrics["tokens:sum"] for p in parts)
-    assert abs(tokens_weighted - whole.metrics["opsd_kl"]) > 1e-4  # the counts matter
+    assert abs(tokens_weighted - whole.metrics["opsd_kl:mean"]) > 1e-4  # the counts matter
     for name, g in engine.runs["whole"].grads.items():
         # float32 rounding: the split sums its rows' gradients in another order (a few ulp at 1)
         torch.testing.assert_close(engine.runs["split"].grads[name], g, rtol=1e-5, atol=1e-6)

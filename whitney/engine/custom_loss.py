@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from whitney.engine.loss_table import METRIC_REDUCTIONS
 from whitney.errors import InvalidInput
 
 MAX_NODES = 256
@@ -42,7 +43,7 @@ ELEMENT_FACTOR = 4
 TOTAL_FACTOR = 64
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
-METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
+METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(" + "|".join(METRIC_REDUCTIONS) + ")")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 

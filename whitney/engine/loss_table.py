@@ -44,6 +44,20 @@ from whitney.errors import InvalidInput, check
 SCALAR = "datum"  # FieldSpec.rows of an input holding one value per datum
 
 
+# Every metric a loss reports is named "<name>:<reduction>", the form in which the Tinker SDK combines the
+# results of one call's chunks (tinker/lib/chunked_fwdbwd_helpers.py splits each name at its one ":"):
+# "sum" adds up over datums, micro-batches and chunks; "mean" is an average, merged here by what it averages
+# over (`LossOutput.mean_counts`, else tokens: requests.merge_results) and by the SDK by datums per chunk.
+METRIC_REDUCTIONS = ("sum", "mean")
+
+
+def metric_reduction(name: str) -> str:
+    """A metric's reduction, the part of its name after its one ':'; any other name is a bug of its loss."""
+    base, _, how = name.partition(":")
+    assert base and how in METRIC_REDUCTIONS, f"metric {name!r} is not named <name>:sum or <name>:mean"
+    return how
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar, with the loss's own reduction

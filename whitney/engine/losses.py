@@ -19,7 +19,7 @@ import torch
 
 from whitney.engine import custom_loss, opsd
 from whitney.engine.datum import FieldSpec, PreparedDatum
-from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec, Param, lookup
+from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec, Param, lookup, metric_reduction
 from whitney.errors import InvalidInput, check
 
 
@@ -150,9 +150,10 @@ def custom(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> L
     if lp.dim() == 2:
         share, shown = share.sum(-1), shown.mean(-1)
     B = len(counts)
-    metrics = {key: v / B if key.endswith(":mean") else v for key, v in sums.items()}
+    means = {key for key in sums if metric_reduction(key) == "mean"}
+    metrics = {key: v / B if key in means else v for key, v in sums.items()}
     return LossOutput(loss, share.detach(), shown, {**_metrics(loss, lp.shape[0]), **metrics},
-                      {key: float(B) for key in metrics if key.endswith(":mean")})
+                      {key: float(B) for key in means})
 
 
 def _custom_bind(raw: dict) -> tuple[LossSpec, dict]:

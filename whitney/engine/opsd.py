@@ -13,6 +13,10 @@ Per row (datum): ce_coef * CE_sum / N_CE + kl_coef * KL_sum / N_KL, where
   KL_sum = sum over the K pairs of KL(teacher || student) over the full vocabulary,
 and an empty component contributes zero. The loss is the **sum of the row objectives**, not a mean.
 The teacher stream gets no gradient.
+
+Metrics (named `<name>:<reduction>` like every loss's, loss_table.metric_reduction): `opsd_objective_sum:sum`
+the loss; `opsd_kl:mean` the mean KL over the request's KL pairs; `ce_loss:mean` the mean CE over its
+loss_mask tokens (each merged over micro-batches by its own count).
 """
 
 from __future__ import annotations
@@ -126,13 +130,13 @@ def objective(lp: list[torch.Tensor], student_kl: list[torch.Tensor], teacher_kl
         per_token.append(contrib.detach())
     metrics = {
         "loss:sum": float(total.detach()),
-        "opsd_objective_sum": float(total.detach()),
-        "opsd_kl": kl_sum / kl_n if kl_n else 0.0,
-        "ce_loss": ce_sum / ce_n if ce_n else 0.0,
+        "opsd_objective_sum:sum": float(total.detach()),
+        "opsd_kl:mean": kl_sum / kl_n if kl_n else 0.0,
+        "ce_loss:mean": ce_sum / ce_n if ce_n else 0.0,
         "tokens:sum": float(sum(x.numel() for x in lp)),
     }
     return LossOutput(total, torch.cat(per_token), torch.cat([x.detach() for x in lp]), metrics,
-                      {"opsd_kl": float(kl_n), "ce_loss": float(ce_n)})
+                      {"opsd_kl:mean": float(kl_n), "ce_loss:mean": float(ce_n)})
 
 
 def loss(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> LossOutput:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from whitney.engine.datum import Datum, ImageInput, PreparedDatum, prepare_datum, to_tensor
-from whitney.engine.loss_table import SCALAR, LossSpec
+from whitney.engine.loss_table import SCALAR, LossSpec, metric_reduction
 from whitney.engine.losses import loss_spec
 from whitney.errors import InvalidInput
 
@@ -51,8 +51,9 @@ class ForwardResult:
 def merge_results(parts: list[ForwardResult]) -> ForwardResult:
     """The result of one request from the results of its micro-batches (consecutive datums, in order).
 
-    Losses and metrics whose name ends in "sum" add up; every other metric is a mean, weighted by what
-    it averages over (its `mean_counts`, else the micro-batch's tokens), so the merge equals one pass.
+    Losses and `<name>:sum` metrics add up; a `<name>:mean` metric is weighted by what it averages over
+    (its `mean_counts`, else the micro-batch's tokens), so the merge equals one pass. The reduction is the
+    one a metric's name gives it (loss_table.metric_reduction).
     """
     if len(parts) == 1:
         return parts[0]
@@ -61,7 +62,7 @@ def merge_results(parts: list[ForwardResult]) -> ForwardResult:
     for part in parts:
         tokens = part.metrics.get("tokens:sum", float(sum(len(o.logprobs) for o in part.outputs)))
         for name, value in part.metrics.items():
-            if name.endswith("sum"):
+            if metric_reduction(name) == "sum":
                 metrics[name] = metrics.get(name, 0.0) + value
                 continue
             weight = part.mean_counts.get(name, tokens)
