@@ -104,3 +104,19 @@ def test_a_port_in_use_is_said_in_one_line_before_any_model_loads(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "whitney.cli", "serve", "--port", "70000"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--port: must be a port number from 0 to 65535, got '70000'" in bad.stderr
+
+
+def test_models_register_makes_a_directorys_name_and_the_embedded_model_load_offline(tiny_llama, tmp_path):
+    from transformers import AutoConfig
+
+    from whitney.protocol.config import DEFAULT_MODEL
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    for model, name in ((tiny_llama, "tiny-llama"), (None, DEFAULT_MODEL)):
+        done = subprocess.run([sys.executable, "-m", "whitney.cli", "models", "register", *([model] if model else [])],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0 and f"{name!r} now loads offline" in done.stdout, done.stdout + done.stderr
+        assert AutoConfig.from_pretrained(name, cache_dir=tmp_path / "hub", local_files_only=True).vocab_size == 49152
+    missing = subprocess.run([sys.executable, "-m", "whitney.cli", "models", "register", str(tmp_path / "nothing")],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode == 2 and "neither the embedded" in missing.stderr, missing.stderr

@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_limit_flags(serve)
     add_key_limit_flags(serve)
     add_keys_command(sub)
+    models = sub.add_parser("models", formatter_class=_HelpFormatter,
+                            help="make a model load offline by the name Whitney serves it under")
+    register = models.add_subparsers(dest="action", required=True).add_parser(
+        "register", formatter_class=_HelpFormatter,
+        help="register a model in this machine's Hugging Face cache under the name Whitney serves it by (the "
+             "embedded SmolLM2 is converted first), so from_pretrained(name) loads it with HF_HUB_OFFLINE=1; "
+             "`whitney serve` does this for every model it serves")
+    register.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                          help="a model directory, or the embedded model's name")
     return parser
 
 
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(args)
     if args.command == "keys":
         return keys_main(args)
+    if args.command == "models":
+        return register_main(args.model)
     if args.command == "demo":
         from whitney.demo import run_demo
 
@@ -176,6 +187,31 @@ def _port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
     return int(text)
+
+
+def register_main(model: str) -> int:
+    """`whitney models register`: the model's served name made to load offline here (engine/hub_cache.py)."""
+    from huggingface_hub import constants
+
+    from whitney.engine import hub_cache
+    from whitney.engine.model import resolve_model_dir, shown_name
+    from whitney.errors import WhitneyError
+
+    try:
+        path = resolve_model_dir(model)
+    except WhitneyError as e:
+        print(f"whitney models register: {e.message}", file=sys.stderr)
+        return 2
+    name, cache = shown_name(model), Path(constants.HF_HUB_CACHE)
+    if hub_cache.register(name, path, cache):
+        print(f"{name!r} now loads offline from {path} (Hugging Face cache {cache})")
+        return 0
+    if hub_cache.is_downloaded(cache, name):
+        print(f"{name!r} is in the Hugging Face cache {cache} already (a download, left as it is)")
+        return 0
+    print(f"whitney models register: {name!r} could not be registered in {cache} (not a repo id, or the cache "
+          "cannot be written); load it by its directory", file=sys.stderr)
+    return 1
 
 
 # ---- the engine ---------------------------------------------------------------------------------
