@@ -5,12 +5,12 @@
 
 A tiny random Qwen3.5 (the multimodal qwen3_5 checkpoint as it ships: Gated DeltaNet linear attention,
 gated full attention and a vision tower) is laid out in a temporary Hugging Face cache under that repo id,
-so the server and the scripts resolve the id offline, as they would the real model.
+so the server and the scripts resolve the id offline, as they would the real model. The batch is built from the
+examples' shipped dataset (examples/training/http/data/chats.jsonl), as their README builds it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -45,13 +45,13 @@ def test_the_seed_command_runs_unchanged_on_qwen35(tmp_path, monkeypatch):
         assert model["name"] == REPO and "in_proj_qkv" in model["adaptable_modules"]
 
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "WHITNEY_BASE_URL": server.url}
-        pairs = tmp_path / "pairs.jsonl"
-        pairs.write_text("\n".join(json.dumps({"prompt": f"Say {w}.", "completion": w}) for w in ("yes", "no")))
-        subprocess.run([sys.executable, str(EXAMPLES / "whitney_datums.py"), str(pairs), "batch.json", "--model",
-                        REPO], env=env, cwd=tmp_path, check=True, capture_output=True, text=True)
+        subprocess.run([sys.executable, str(EXAMPLES / "whitney_datums.py"), str(EXAMPLES / "data" / "chats.jsonl"),
+                        "batch.json", "--model", REPO], env=env, cwd=tmp_path, check=True, capture_output=True,
+                       text=True)
         done = subprocess.run([sys.executable, str(EXAMPLES / "sl_loop.py"), "--provider", "modal", "--model", REPO,
                                "--forward-backward-json", "batch.json"], env=env, cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert f"on {REPO}" in done.stdout and "[modal] run" in done.stdout and "step 4: loss" in done.stdout
+        assert f"on {REPO}" in done.stdout and "[modal] run" in done.stdout
+        assert "step 4: loss per token" in done.stdout and "weighted target tokens" in done.stdout, done.stdout
         assert list((tmp_path / "sl_loop_out").rglob("adapter_config.json")), done.stdout

@@ -7,7 +7,6 @@ The flow tests are tests/service/test_flow.py's own, collected here again over t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -45,14 +44,14 @@ def example(script: str, *args: str, url: str, timeout: float = 240) -> str:
 
 
 def test_the_examples_run_on_ray(server, tiny_llama, tmp_path):
-    """The seed's supervised loop (its batch built by whitney_datums.py), the RL and the distillation loops."""
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("\n".join(json.dumps({"prompt": f"Say {w}.", "completion": w}) for w in ("yes", "no", "maybe")))
+    """The seed's supervised loop (its batch built by whitney_datums.py from the examples' shipped dataset), the
+    RL and the distillation loops."""
     batch = tmp_path / "batch.json"
-    example("whitney_datums.py", str(pairs), str(batch), "--model", tiny_llama, url=server.url)
+    example("whitney_datums.py", str(EXAMPLES / "data" / "chats.jsonl"), str(batch), "--model", tiny_llama,
+            url=server.url)
     out = example("sl_loop.py", "--model", tiny_llama, "--forward-backward-json", str(batch), "--steps", "3",
                   "--out", str(tmp_path / "adapter"), url=server.url)
-    assert (tmp_path / "adapter").exists(), out
+    assert (tmp_path / "adapter").exists() and "step 2: loss per token" in out, out
     example("rl_loop.py", "--model", tiny_llama, "--steps", "2", "--questions", "2", "--group", "2", url=server.url)
     example("distill_loop.py", "--model", tiny_llama, "--steps", "2", "--samples", "2", url=server.url)
 

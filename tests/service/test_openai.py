@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,13 +27,15 @@ from tests.service.conftest import start_server
 from whitney.datums import chat_datum, render_chat
 from whitney.service.app import ServiceConfig
 from whitney.service.openai_text import TextStream
+from whitney.service.routes import openai as openai_routes
 
-KEY, OTHER_KEY = "key-of-alice", "key-of-bob"
+KEY, OTHER_KEY = "tml-key-of-alice", "tml-key-of-bob"  # tml-: the Tinker SDK takes no other key
 HASHES_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}### Assistant:\n{{ m['content'] }}"
     "{{ eos_token }}\n{% else %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}### Assistant:\n{% endif %}")
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "training" / "http"
+SAMPLE_DATA = EXAMPLES / "data" / "chats.jsonl"  # the examples' shipped dataset (examples/training/http/README.md)
 CHAT = [{"role": "user", "content": "Say yes."}]
 
 
@@ -250,6 +253,169 @@ def test_a_runs_sampler_version_and_a_checkpoint_as_model(srv, name, tokenizer):
         client(srv, OTHER_KEY).chat.completions.create(model=f"{run}@{version}", messages=CHAT, max_tokens=2)
 
 
+def new_run(http, name: str) -> str:
+    session = http.post("/v1/sessions", json={}).json()["id"]
+    return http.post(f"/v1/sessions/{session}/runs", json={"base_model": name, "lora": {"rank": 2}}).json()["id"]
+
+
+def run_ops(http, run: str, *ops: tuple[str, dict]) -> list[dict]:
+    """Submit a new run's operations in seq_id order and wait for each: their results."""
+    submitted = [http.post(f"/v1/runs/{run}/{kind}", json={"seq_id": i, **body}).json()
+                 for i, (kind, body) in enumerate(ops)]
+    done = [http.get(f"/v1/operations/{op['id']}", params={"wait": 30}).json() for op in submitted]
+    assert [d["status"] for d in done] == ["succeeded"] * len(ops), done
+    return [d["result"] for d in done]
+
+
+def model_ids(srv, key: str = KEY) -> list[str]:
+    return [m.id for m in client(srv, key).models.list()]
+
+
+def test_models_lists_the_keys_newest_sampler_versions_and_checkpoints_up_to_the_cap(srv, name, monkeypatch):
+    """Each sampler version as '<run_id>@<version>' (newest first), each checkpoint by id, never another key's;
+    every id listed is one chat completions takes; an ended run's deleted version is not listed; at most
+    LISTED of each kind, the newest."""
+    with srv.http(KEY) as http:
+        run = new_run(http, name)
+        saved = run_ops(http, run, ("save_weights_for_sampler", {}), ("save_weights_for_sampler", {}),
+                        ("save_state", {"name": "s"}), ("save_weights_for_sampler", {}))
+        versions = [saved[i]["version"] for i in (0, 1, 3)]
+        packages = [r["package"]["id"] for r in saved]
+        assert versions == [1, 2, 3]
+    mine = model_ids(srv)
+    assert mine[:3] == [name, "tiny-hashes", "tiny-plain"]
+    ats = [m for m in mine if m.startswith(f"{run}@")]
+    assert ats == [f"{run}@3", f"{run}@2", f"{run}@1"], mine  # newest first
+    assert set(packages) <= set(mine)
+    assert not any(m.startswith(f"{run}@") or m in packages for m in model_ids(srv, OTHER_KEY))
+    for model in ats + packages:
+        answer = client(srv).completions.create(model=model, prompt="Hi", max_tokens=1, seed=0)
+        assert answer.model == model
+
+    monkeypatch.setattr(openai_routes, "LISTED", 2)
+    capped = model_ids(srv)
+    assert capped == [name, "tiny-hashes", "tiny-plain", f"{run}@3", f"{run}@2", packages[3], packages[2]], capped
+    monkeypatch.undo()
+
+    with srv.http(KEY) as http:  # an ended run samples a version from its package: a deleted one is gone
+        assert http.post(f"/v1/runs/{run}/finish").status_code == 200
+        assert http.delete(f"/v1/checkpoints/{packages[0]}").status_code == 200
+        after = model_ids(srv)
+        assert f"{run}@1" not in after and packages[0] not in after and f"{run}@2" in after, after
+        r = http.post("/v1/completions", json={"model": f"{run}@1", "prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["field"] == "model", r.text
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    from whitney.service.store import Store
+
+    if request.param == "sqlite":
+        return Store(f"sqlite:///{tmp_path / 'store.db'}")
+    return Store(request.getfixturevalue("postgres").new_database())
+
+
+def test_the_listing_queries_read_the_newest_live_versions_on_each_database(store):
+    """Without HTTP, on SQLite and PostgreSQL (the JSON paths of the join): per owner, newest first, at most
+    `limit`; an ended run's version whose package was deleted is left out, an open run's is kept (it samples
+    from memory); checkpoints leave out deleted, expired and export packages."""
+    from whitney.service.lifecycle import OperationKind, OperationStatus, RunStatus
+
+    def save(owner: str, run_id: str, seq: int, version: int) -> str:
+        op, _ = store.submit_operation(owner, run_id, seq, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER, f"d{seq}")
+        package = store.register_package(run_id, owner, "sampler", str(version), "/p", "m", False)
+        store.set_operation(op["id"], OperationStatus.RUNNING)
+        store.set_operation(op["id"], OperationStatus.SUCCEEDED, {"version": version, "package": {"id": package["id"]}})
+        return package["id"]
+
+    runs = {}
+    for owner in ("alice", "bob"):
+        session = store.create_session(owner)["id"]
+        for k in ("ended", "open"):
+            runs[owner, k] = store.create_run(session, owner, "m", {}, None, False, None)["id"]
+    packages = {(k, v): save("alice", runs["alice", k], v - 1, v) for k in ("ended", "open") for v in (1, 2)}
+    save("bob", runs["bob", "open"], 0, 1)
+    for k in ("ended", "open"):
+        store.delete_package(packages[k, 1], "alice")
+    assert store.set_run_status(runs["alice", "ended"], RunStatus.FINISHED)
+    state = store.register_package(runs["alice", "open"], "alice", "state", "s", "/p", "m", True)["id"]
+    store.register_package(runs["alice", "open"], "alice", "lora", "export", "/p", "m", False)
+
+    got = [(v["run_id"], v["version"]) for v in store.newest_sampler_versions("alice", 10)]
+    assert got == [(runs["alice", "open"], 2), (runs["alice", "open"], 1), (runs["alice", "ended"], 2)], got
+    assert len(store.newest_sampler_versions("alice", 2)) == 2
+    assert [v["run_id"] for v in store.newest_sampler_versions("bob", 10)] == [runs["bob", "open"]]
+    checkpoints = [p["id"] for p in store.newest_checkpoints("alice", 10)]
+    assert checkpoints == [state, packages["open", 2], packages["ended", 2]], checkpoints
+    assert store.newest_checkpoints("alice", 1)[0]["id"] == state
+
+
+def test_a_tinker_sampler_path_from_the_sdk_is_a_model(srv, name, tokenizer):
+    """The path the Tinker SDK's save_weights_for_sampler hands out samples in chat and text completions what
+    the SDK's own sampling client samples from it (same seed: same tokens and log-probs), with the trained
+    adapter; its version is listed as '<run_id>@<version>' and answers the same; another key gets the 404
+    an unknown path gets."""
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=srv.url, api_key=KEY)
+    tc = service.create_lora_training_client(base_model=name, rank=4, seed=3).result()
+    tokens = tokenizer("yes yes yes yes yes yes", add_special_tokens=False)["input_ids"]
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.1)).result()
+    path = tc.save_weights_for_sampler("chat-v1").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/chat-v1"
+
+    prompt = tokenizer("The sea is", add_special_tokens=False)["input_ids"]
+    sdk = service.create_sampling_client(model_path=path).result().sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=8, seed=6, temperature=1.0)).result()
+    (expected,) = sdk.sequences
+    answer = client(srv).completions.create(model=path, prompt=prompt, max_tokens=8, seed=6, logprobs=0)
+    (choice,) = answer.choices
+    assert answer.model == path and choice.text == text_of(tokenizer, list(expected.tokens))
+    assert choice.logprobs.token_logprobs == pytest.approx(list(expected.logprobs), abs=1e-5)
+    base = client(srv).completions.create(model=name, prompt=prompt, max_tokens=8, seed=6, logprobs=0)
+    assert base.choices[0].logprobs.token_logprobs != pytest.approx(choice.logprobs.token_logprobs, abs=1e-3)
+    chat = client(srv).chat.completions.create(model=path, messages=CHAT, max_tokens=4, seed=1)
+    assert chat.model == path and chat.choices[0].message.content is not None
+
+    (listed,) = [m for m in model_ids(srv) if m.startswith(f"{tc.model_id}@")]
+    again = client(srv).completions.create(model=listed, prompt=prompt, max_tokens=8, seed=6, logprobs=0)
+    assert again.choices[0].logprobs.token_logprobs == choice.logprobs.token_logprobs
+
+    with srv.http(KEY) as mine, srv.http(OTHER_KEY) as theirs:
+        unknown = mine.post("/v1/completions", json={"model": path.replace("chat-v1", "nope"), "prompt": "x"})
+        other = theirs.post("/v1/completions", json={"model": path, "prompt": "x"})
+    assert unknown.status_code == other.status_code == 404, (unknown.text, other.text)
+    assert unknown.json()["field"] == other.json()["field"] == "model"
+    assert other.json()["message"] == unknown.json()["message"].replace("nope", "chat-v1")
+    service.close("success").result()
+
+
+@pytest.mark.parametrize("model, status", [
+    ("tinker://only-a-run", 400),
+    ("tinker://run-x/bogus/name", 400),
+    ("tinker://run-x/external_weights/name", 400),
+    ("tinker://run-x/sampler_weights/", 400),
+    ("tinker://run-x/sampler_weights/nope", 404),
+    ("tinker://run-x/weights/nope", 404),
+    ("run-x@latest", 400),
+    ("run-x@", 400),
+    ("run-nope@1", 404),
+    ("pkg-nope", 404),
+    ("no-such-model", 404),
+])
+def test_bad_or_unknown_model_ids_are_4xx_naming_model_and_the_rule(srv, model, status):
+    with srv.http(KEY) as http:
+        for route, body in (("completions", {"prompt": "x"}), ("chat/completions", {"messages": CHAT})):
+            r = http.post(f"/v1/{route}", json={"model": model, **body})
+            assert r.status_code == status and r.json()["field"] == "model", r.text
+            if status == 400 or model == "no-such-model":  # the rule is spelled out
+                assert "tinker://<" in r.json()["message"] or "<run_id>@<version>" in r.json()["message"], r.text
+
+
 def test_a_wrong_key_is_refused(srv, name):
     with pytest.raises(openai.AuthenticationError):
         client(srv, "not-a-key").chat.completions.create(model=name, messages=CHAT, max_tokens=2)
@@ -359,6 +525,53 @@ def test_whitney_datums_builds_batches_with_the_served_template(srv, tmp_path):
         op = http.post(f"/v1/runs/{run['id']}/forward_backward", json={"seq_id": 0, **batches["tiny-hashes"]}).json()
         done = http.get(f"/v1/operations/{op['id']}", params={"wait": 30}).json()
     assert done["status"] == "succeeded" and done["result"]["loss"] > 0
+
+
+def example(srv, script: str, *args: str, cwd: Path) -> str:
+    """An example script run as its README runs it (the server and key from the environment): its output."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WHITNEY_BASE_URL": srv.url, "WHITNEY_API_KEY": KEY}
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_the_examples_readme_steps_run_on_the_shipped_data(srv, models, name, tmp_path):
+    """examples/training/http/README.md in order, on data/chats.jsonl: a batch of one datum per conversation;
+    sl_loop prints per step the server's summed loss, labelled as such, and that sum over the batch's total
+    weight as the loss per token; the saved state is a chat model; distillation from it and RL run."""
+    conversations = [json.loads(line) for line in SAMPLE_DATA.read_text().splitlines() if line.strip()]
+    assert len(conversations) >= 24 and all(c["messages"][-1]["role"] == "assistant" for c in conversations)
+    out = example(srv, "whitney_datums.py", str(SAMPLE_DATA), "batch.json", cwd=tmp_path)
+    batch = json.loads((tmp_path / "batch.json").read_text())
+    assert out.strip() == f"wrote {len(conversations)} datums to batch.json"
+    assert len(batch["data"]) == len(conversations)
+    weight = sum(sum(d["loss_inputs"]["weights"]["values"]) for d in batch["data"])
+
+    out = example(srv, "sl_loop.py", "--forward-backward-json", "batch.json", "--steps", "2", "--rank", "4",
+                  "--learning-rate", "1e-2", cwd=tmp_path)
+    run = re.search(r"^\[self-hosted\] run (\S+) on ", out, re.M).group(1)
+    steps = re.findall(r"^step (\d+): loss per token ([0-9.]+) \(summed loss ([0-9.]+) over ([0-9.]+) weighted target "
+                       r"tokens\)  grad_norm [0-9.]+$", out, re.M)
+    with srv.http(KEY) as http:
+        served = [op["result"]["loss"] for op in http.get(f"/v1/runs/{run}/operations").json()
+                  if op["kind"] == "forward_backward"]
+    assert len(steps) == len(served) == 2, out
+    for (_, per_token, summed, tokens), loss in zip(steps, served):
+        assert float(summed) == pytest.approx(loss, abs=1e-4) and float(tokens) == weight, out
+        assert float(per_token) == pytest.approx(loss / weight, abs=1e-4), out
+    assert float(steps[1][1]) < float(steps[0][1]), out
+    state = re.search(r"^saved state (pkg-\S+) ", out, re.M).group(1)
+    assert list((tmp_path / "sl_loop_out").rglob("adapter_config.json")), out
+
+    answer = client(srv).chat.completions.create(model=state, messages=CHAT, max_tokens=4, temperature=0)
+    assert answer.model == state and answer.choices[0].finish_reason in ("stop", "length")
+    out = example(srv, "distill_loop.py", "--model", models[name], "--teacher-checkpoint", state, "--steps", "1",
+                  "--samples", "2", cwd=tmp_path)
+    assert re.search(r"^step 0: reverse KL estimate per token -?[0-9.]+$", out, re.M), out
+    out = example(srv, "rl_loop.py", "--model", models[name], "--steps", "1", "--questions", "1", "--group", "2",
+                  cwd=tmp_path)
+    assert re.search(r"^step 0: mean reward [0-9.]+ ", out, re.M), out
 
 
 def test_chat_render_refuses_a_model_without_a_template_and_unknown_models(srv):

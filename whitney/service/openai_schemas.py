@@ -46,7 +46,8 @@ class ChatMessage(Wire):
 class Sampling(Wire):
     """What chat and text completions share."""
 
-    model: str = Field(description="a served base model, '<run_id>@<version>', or a checkpoint id (pkg-...)")
+    model: str = Field(description="a served base model, '<run_id>@<version>', a checkpoint id (pkg-...) or a "
+                                   "Tinker path (tinker://<run_id>/sampler_weights/<name>, or .../weights/<name>)")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, description="default 1; 0: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
@@ -93,7 +94,7 @@ class CompletionRequest(Sampling):
 class ChatRenderRequest(Wire):
     """A conversation to render with a served model's own chat template."""
 
-    model: str | None = None  # default: the server's first model; a run's version or checkpoint names its base
+    model: str | None = None  # default: the server's first model; a run's version, checkpoint or path names its base
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = False
 
@@ -172,6 +173,8 @@ class ModelCard(Out):
 
 
 class ModelList(Out):
+    """The served base models, then the key's newest sampler versions and checkpoints (routes/openai.py LISTED)."""
+
     object: Literal["list"]
     data: list[ModelCard]
 

@@ -22,8 +22,8 @@ from sqlalchemy.orm import sessionmaker
 
 from whitney.errors import Conflict, NotFound
 from whitney.service.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE, RUN_MOVES,
-                                       SESSION_MOVES, OperationKind, OperationStatus, RunStatus, SessionStatus,
-                                       sources)
+                                       RUN_OPEN, SESSION_MOVES, OperationKind, OperationStatus, RunStatus,
+                                       SessionStatus, sources)
 from whitney.service.tables import (Base, KeyRow, OperationRow, PackageRow, RunRow, SessionRow,  # noqa: F401
                                      _row_dict, new_id)
 from whitney.service.text import loads as read_json
@@ -337,6 +337,35 @@ class Store:
                     row = db.get(PackageRow, op.result["package"]["id"])
                     return _row_dict(row) if row is not None else None
         return None
+
+    def newest_sampler_versions(self, owner: str, limit: int) -> list[dict]:
+        """The owner's newest `limit` sampler versions that `<run_id>@<version>` still samples (the run is open, or
+        the version's package is not deleted: routes/sampling.py `resolve`), newest first: `{run_id, version,
+        created}`. One query; only the small parts of each result are read (JSON paths, as console/queries.py); for GET /v1/models."""
+        package_id = OperationRow.result["package"]["id"].as_string()
+        q = (select(OperationRow.run_id, OperationRow.result["version"].as_integer(), OperationRow.finished_at)
+             .join(RunRow, RunRow.id == OperationRow.run_id)
+             .outerjoin(PackageRow, PackageRow.id == package_id)
+             .where(OperationRow.owner == owner, OperationRow.status == OperationStatus.SUCCEEDED,
+                    OperationRow.kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                    or_(RunRow.status.in_(RUN_OPEN), PackageRow.deleted.is_(False)))
+             .order_by(OperationRow.finished_at.desc(), OperationRow.id.desc()).limit(limit))
+        with self.tx() as db:
+            rows = db.execute(q).all()
+        return [{"run_id": run_id, "version": version, "created": int(t or 0)} for run_id, version, t in rows
+                if version is not None]
+
+
+    def newest_checkpoints(self, owner: str, limit: int) -> list[dict]:
+        """The owner's newest `limit` saved states and sampler versions that a checkpoint id reads (not deleted,
+        not expired: Store.get_package), newest first: `{id, run_id, created}`."""
+        q = (select(PackageRow.id, PackageRow.run_id, PackageRow.created_at)
+             .where(PackageRow.owner == owner, PackageRow.kind.in_(("state", "sampler")), PackageRow.deleted.is_(False),
+                    or_(PackageRow.expires_at.is_(None), PackageRow.expires_at > time.time()))
+             .order_by(PackageRow.created_at.desc(), PackageRow.id.desc()).limit(limit))
+        with self.tx() as db:
+            rows = db.execute(q).all()
+        return [{"id": package_id, "run_id": run_id, "created": int(t)} for package_id, run_id, t in rows]
 
     def delete_package(self, package_id: str, owner: str) -> dict:
         with self.tx() as db:

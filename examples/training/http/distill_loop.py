@@ -24,6 +24,7 @@ PROMPTS = ["Tell me about the sea.", "What is a good breakfast?", "Describe autu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=os.environ.get("WHITNEY_BASE_URL", "http://127.0.0.1:8000"))
+    parser.add_argument("--api-key", default=os.environ.get("WHITNEY_API_KEY"))
     parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="student base model")
     parser.add_argument("--teacher-checkpoint", default=None, help="teacher weights (default: the base model)")
     parser.add_argument("--steps", type=int, default=5)
@@ -33,10 +34,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from whitney.engine.model import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
-    client = whitney.Client(args.base_url)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)  # the served name loads offline on the server's machine
+    client = whitney.Client(args.base_url, api_key=args.api_key)
     session = client.create_session(example="distill_loop")
     student = session.create_run(args.model, rank=16)
     prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

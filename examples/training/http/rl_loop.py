@@ -32,6 +32,7 @@ def reward(text: str, answer: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=os.environ.get("WHITNEY_BASE_URL", "http://127.0.0.1:8000"))
+    parser.add_argument("--api-key", default=os.environ.get("WHITNEY_API_KEY"))
     parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--loss", choices=["importance_sampling", "ppo"], default="importance_sampling")
     parser.add_argument("--steps", type=int, default=8)
@@ -43,11 +44,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from whitney.engine.model import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)  # the served name loads offline on the server's machine
     rng = random.Random(args.seed)
-    client = whitney.Client(args.base_url)
+    client = whitney.Client(args.base_url, api_key=args.api_key)
     session = client.create_session(example="rl_loop")
     run = session.create_run(args.model, rank=16, seed=args.seed)
     rewards_by_step = []

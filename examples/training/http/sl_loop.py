@@ -4,9 +4,14 @@ Reads one ForwardPayload from --forward-backward-json (build one with whitney_da
 --steps steps, polling each operation to a terminal state before advancing seq_id, then save_state ->
 export_lora -> finish -> close session, and downloads the LoRA adapter.
 
+The server's `loss` is summed over tokens (docs/API.md). Each step prints it per token: divided by the
+targets' total weight (a chat datum weighs 1 on each assistant token, 0 on the prompt: the loss per
+completion token, as `whitney demo` shows it), or by the number of target tokens when a datum has no
+weights; the sum follows, labelled.
+
     whitney serve &   # prints its URL
-    python examples/training/http/sl_loop.py --base-url http://127.0.0.1:8000 \
-        --model HuggingFaceTB/SmolLM2-135M-Instruct --forward-backward-json batch.json
+    python examples/training/http/whitney_datums.py examples/training/http/data/chats.jsonl batch.json
+    python examples/training/http/sl_loop.py --base-url http://127.0.0.1:8000 --forward-backward-json batch.json
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ import os
 import sys
 
 import whitney
+
+
+def loss_tokens(data: list[dict], metrics: dict) -> tuple[float, str]:
+    """What a step's summed loss is divided by, and its name: the targets' total weight when every datum has
+    weights, else the number of target tokens the loss counted."""
+    weights = [d["loss_inputs"].get("weights") for d in data]
+    if all(w is not None for w in weights):
+        return float(sum(sum(w["values"]) for w in weights)), "weighted target tokens"
+    return float(metrics["tokens:sum"]), "target tokens"
 
 
 def main() -> int:
@@ -45,16 +59,23 @@ def main() -> int:
     run = session.create_run(args.model, rank=args.rank)
     print(f"[{args.provider}] run {run.id} on {run.info['base_model']}")
     try:
+        per_token = []
         for step in range(args.steps):
             fb = run.forward_backward(batch["data"], batch.get("loss_function", "cross_entropy"),
                                       **batch.get("loss_config", {})).result()
             opt = run.optim_step(learning_rate=args.learning_rate).result()
-            print(f"step {step}: loss {fb['loss']:.4f}  grad_norm {opt['metrics']['grad_norm']:.4f}")
+            tokens, name = loss_tokens(batch["data"], fb["metrics"])
+            per_token.append(fb["loss"] / tokens if tokens else float("nan"))
+            print(f"step {step}: loss per token {per_token[-1]:.4f} (summed loss {fb['loss']:.4f} over "
+                  f"{tokens:g} {name})  grad_norm {opt['metrics']['grad_norm']:.4f}", flush=True)
+        if per_token:
+            print(f"loss per token: first step {per_token[0]:.4f}, last step {per_token[-1]:.4f}")
         state = run.save_state("final").result()["package"]
         lora = run.export_lora("final").result()["package"]
         run.finish()
         path = client.download_checkpoint(lora["id"], args.out)
         print(f"saved state {state['id']} (v{state['version']}); LoRA adapter in {path}")
+        print(f"chat with it: the OpenAI endpoint's model {state['id']!r} (see examples/training/http/README.md)")
     except whitney.WhitneyAPIError:
         run.cancel()
         raise

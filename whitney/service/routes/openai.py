@@ -6,8 +6,10 @@ template and the tokenizer stay in the engine (`Backend.render_chat`, `encode`, 
 completion hands each report of new tokens on as soon as the sampler makes it (`Scheduler.submit_sample`
 with `stream`), decoded by `TextStream`.
 
-`model` is a served base model's name, "<run_id>@<version>" (a run's sampler version), or a saved state's
-or sampler version's checkpoint id ("pkg-...").
+`model` is a served base model's name, "<run_id>@<version>" (a run's sampler version), a saved state's
+or sampler version's checkpoint id ("pkg-..."), or the Tinker path of one (`tinker://<run_id>/sampler_weights/
+<name>` or `.../weights/<name>`, read by the Tinker routes' own parser and lookup). `GET /v1/models` lists the
+caller's own: its newest `LISTED` sampler versions and its newest `LISTED` checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from whitney.service.openai_text import TextStream
 from whitney.service.queues import SampleStream
 from whitney.service.routes.sampling import resolve
 from whitney.service.schemas import WeightsRef
+from whitney.service.tinker.common import parse_path, resolve_path
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 KEEPALIVE_SECONDS = 15.0  # an SSE comment line while no token comes (a long prefill, a full queue)
@@ -38,6 +41,11 @@ EVENT_STREAM = {200: {"content": {"text/event-stream": {"schema": {"type": "stri
                       "description": "the completion, or (stream: true) its chunks as server-sent events"}}
 # The engine's names for what OpenAI calls otherwise.
 FIELDS = {"num_samples": "n", "base_model": "model", "run_id": "model", "version": "model", "checkpoint_id": "model"}
+# GET /v1/models lists at most this many of the key's sampler versions, and as many checkpoints, newest first:
+# the answer (and each query's result) stays this size whatever the key holds. Older ones remain usable by name.
+LISTED = 100
+MODEL_FORMS = ("a served base model, '<run_id>@<version>' (a version from save_weights_for_sampler), a checkpoint "
+               "id (pkg-...), or a Tinker path tinker://<run_id>/sampler_weights/<name> (or .../weights/<name>)")
 
 
 @dataclass
@@ -64,16 +72,31 @@ def refuse_unsupported(body: wire.Sampling) -> None:
         raise InvalidInput("stream_options goes with stream: true", field="stream_options")
 
 
-def weights_ref(st: ServiceState, model: str) -> WeightsRef:
+def weights_ref(st: ServiceState, who: str, model: str) -> WeightsRef:
+    """The weights `model` names (MODEL_FORMS); a malformed name is a 400, an unknown one (or another key's) a
+    404, both naming `model`."""
     if st.serves(model):
         return WeightsRef(base_model=st.model_aliases.get(model, model))  # a directory by its shown name
+    if model.startswith("tinker://"):
+        try:
+            _, kind, _ = parse_path(model)
+            if kind not in ("sampler", "state"):
+                raise InvalidInput(f"model {model!r} names an external_weights export, which does not sample: a "
+                                   "Tinker path here is tinker://<run_id>/sampler_weights/<name> (or .../weights/"
+                                   "<name>)", field="model")
+            return WeightsRef(checkpoint_id=resolve_path(st, who, model)["id"])
+        except WhitneyError as e:
+            raise renamed(e, {"path": "model"}) from None
     run_id, at, version = model.rpartition("@")
-    if at and run_id and version.isdigit():
+    if at and run_id:
+        if not version.isdigit():
+            raise InvalidInput(f"model {model!r}: a run's sampler version is '<run_id>@<version>', the version a "
+                               "number that save_weights_for_sampler returned", field="model")
         return WeightsRef(run_id=run_id, version=int(version))
     if model.startswith("pkg-"):
         return WeightsRef(checkpoint_id=model)
-    raise NotFound(f"model {model!r} is none of the served base models {st.models}, a run's '<run_id>@<version>' "
-                   "or a checkpoint id", field="model")
+    raise NotFound(f"model {model!r} is not known here; name {MODEL_FORMS} (GET /v1/models lists them)",
+                   field="model")
 
 
 def plain_messages(messages: list[wire.ChatMessage]) -> list[dict]:
@@ -94,7 +117,7 @@ def start(st: ServiceState, who: str, body: wire.Sampling, chat: bool) -> Starte
     fields = {**FIELDS, "prompt": "messages" if chat else "prompt",
               "top_logprobs": "top_logprobs" if chat else "logprobs"}
     try:
-        weights, base_model = resolve(st, who, weights_ref(st, body.model))
+        weights, base_model = resolve(st, who, weights_ref(st, who, body.model))
         backend, info = st.scheduler.backend, st.model_info(base_model)
         if chat:
             prompt = backend.render_chat(base_model, plain_messages(body.messages), add_generation_prompt=True).tokens
@@ -294,19 +317,14 @@ async def completions(body: wire.CompletionRequest, st: State, who: Owner):
 
 @router.get("/models", response_model=wire.ModelList, status_code=200)
 def list_models(st: State, who: Owner):
-    """What the caller's key can name as `model`: the served base models, its runs' sampler versions
-    ("<run_id>@<version>") and its saved states and sampler versions by checkpoint id."""
+    """What the caller's key can name as `model`: the served base models, then its newest `LISTED` sampler
+    versions ("<run_id>@<version>"), then its newest `LISTED` saved states and sampler versions by checkpoint
+    id. Other keys' are never listed; older ones are not listed but still answer by name."""
     cards = [{"id": name, "object": "model", "created": 0, "owned_by": "whitney"} for name in st.models]
-    for package in st.store.list_packages(who):
-        if package["kind"] not in ("state", "sampler"):
-            continue
-        created, run_id = int(package["created_at"]), package["run_id"]
-        if package["kind"] == "sampler" and package["name"].isdigit():
-            found = st.store.sampler_version(run_id, int(package["name"]))
-            if found is not None and found["id"] == package["id"]:
-                cards.append({"id": f"{run_id}@{package['name']}", "object": "model", "created": created,
-                              "owned_by": run_id})
-        cards.append({"id": package["id"], "object": "model", "created": created, "owned_by": run_id})
+    cards += [{"id": f"{v['run_id']}@{v['version']}", "object": "model", "created": v["created"],
+               "owned_by": v["run_id"]} for v in st.store.newest_sampler_versions(who, LISTED)]
+    cards += [{"id": p["id"], "object": "model", "created": p["created"], "owned_by": p["run_id"]}
+              for p in st.store.newest_checkpoints(who, LISTED)]
     return {"object": "list", "data": cards}
 
 
@@ -315,7 +333,7 @@ def render_chat(body: wire.ChatRenderRequest, st: State, who: Owner):
     """A conversation as the model reads it: its own chat template, tokenized, with each assistant
     message's tokens (end-of-turn included) marked; `whitney.datums.chat_datum` turns it into a datum."""
     try:
-        _, base_model = resolve(st, who, weights_ref(st, body.model) if body.model else WeightsRef())
+        _, base_model = resolve(st, who, weights_ref(st, who, body.model) if body.model else WeightsRef())
     except WhitneyError as e:
         raise renamed(e, FIELDS) from None
     rendered = st.scheduler.backend.render_chat(base_model, plain_messages(body.messages), body.add_generation_prompt,
