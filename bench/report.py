@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster", "peers",
-         "general", "tenants", "capacity"]
+         "general", "busy", "tenants", "capacity"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -356,6 +356,11 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "with the run's own exported adapter loaded trainable (same modules) and `torch.optim.AdamW`; (b) 8 chat "
         "prompts x 32 new tokens at temperature 1 on the base weights against HF `generate` batched with left "
         "padding (and with a LoRA adapter, info). Targets: SFT <= 1.0x, sampling >= 1.0x.",
+        "- **busy**: the same SFT step (SmolLM2, 4 x 128 tokens, rank 32, forward_backward + optim_step submitted "
+        "back to back) through `whitney serve`, on an idle machine and while another process keeps one core busy "
+        "(a Python loop), idle and busy rounds alternating on one server per setting: the default thread policy "
+        "(threads = the CPUs the server may use, waiting threads asleep), the same threads spinning as libgomp does "
+        "by default (OMP_WAIT_POLICY=ACTIVE: the old default), and `--threads 1`. Target: default busy <= 2x idle.",
         "- **tenants** (`--only tenants`, issue 15): 32 clients, each its own session and rank-8 run, loop "
         "forward_backward (4 x 64) + optim_step and every 8th step a sampler version and an 8-token sample, for "
         "90 s (or 4 times the warm-up, where longer: a round must fit several times) after an untimed warm-up step each, on the tiny model and on SmolLM2: against the commit before "

@@ -171,3 +171,34 @@ def test_a_trainer_that_dies_while_idle_is_noticed_by_the_heartbeat(ray_cluster,
             backend.validate(ForwardRequest("idle", data(0)), True)
     finally:
         backend.close()
+
+
+def _threads_and_wait_policy(actor) -> tuple[int, str | None]:
+    import os
+
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(
+        lambda worker: (__import__("torch").get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))))
+
+
+def test_every_worker_process_takes_the_thread_setting_and_waits_asleep(ray_cluster, tiny_llama):
+    """--threads reaches every rank of a sharded trainer and every sampler replica; without it each worker uses
+    the CPUs Ray gave it; in both, OpenMP's waiting threads sleep (ENGINE_PROCESS_ENV) instead of spinning."""
+    from dataclasses import replace
+
+    backend = RayBackend(replace(CONFIG, threads=1), [Placement(tiny_llama, "tiny", num_cpus=2, shards=2,
+                                                                samplers=1, resources={"node_a": 1})])
+    try:
+        actors = [actor for worker in backend._workers() for actor in worker.ranks]
+        assert len(actors) == 3  # two ranks, one sampler replica
+        assert [_threads_and_wait_policy(a) for a in actors] == [(1, "PASSIVE")] * 3
+        assert backend.models["tiny"].compute_threads == 1
+    finally:
+        backend.close()
+    backend = RayBackend(CONFIG, [Placement(tiny_llama, "tiny", num_cpus=2, samplers=1, resources={"node_b": 1})])
+    try:
+        assert [_threads_and_wait_policy(a) for w in backend._workers() for a in w.ranks] == [(2, "PASSIVE")] * 2
+        assert backend.models["tiny"].compute_threads == 2
+    finally:
+        backend.close()
