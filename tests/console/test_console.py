@@ -11,37 +11,14 @@ and the live run. Each page is screenshotted into build/console-screenshots/ for
 from __future__ import annotations
 
 import io
-import re
 import tarfile
-import time
 
 import httpx
 import pytest
 
-from tests.console.conftest import KEY_A, KEY_B, screenshot
+from tests.console.conftest import KEY_A, KEY_B, screenshot, sign_in, trainer_of, wait_until
 
 pytestmark = pytest.mark.usefixtures("console_server")
-
-
-def sign_in(page, url: str, key: str) -> None:
-    page.goto(f"{url}/console/")
-    page.wait_for_url(re.compile(r"/console/login"))
-    page.fill("input[name=key]", key)
-    page.click("button[type=submit]")
-
-
-def trainer_of(server):
-    return server.extra["trainer"]
-
-
-def wait_until(condition, timeout: float = 60.0, every: float = 0.25, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ---- keys: what the gate lets through, over plain HTTP ------------------------------------------

@@ -1,15 +1,19 @@
 """The console's queries on a real SQLite file and a real PostgreSQL server (the JSON paths they select are
-evaluated by each database in its own dialect), and its pages on an open server (no keys)."""
+evaluated by each database in its own dialect): curves, timeline, counts; the runs search, a sampling request's
+wait, the configuration panel's window, the CSV's rows; and its pages on an open server (no keys)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from tests.service.conftest import start_server
+from whitney.errors import NotFound
+from whitney.service import run_metrics
 from whitney.service.app import ServiceConfig
-from whitney.service.console import queries
-from whitney.service.lifecycle import OperationKind, OperationStatus
+from whitney.service.console import configuration, curves_csv, queries
+from whitney.service.lifecycle import OperationKind, OperationStatus, RunStatus
 from whitney.service.store import Store
 
 # A forward_backward's result holds every token's log-prob; the curves must not need them.
@@ -88,3 +92,137 @@ def test_open_server_console_needs_no_key(tmp_path, tiny_llama):
             assert curves.status_code == 404 and curves.json()["code"] == "not_found"
     finally:
         server.stop()
+
+
+# ---- search, configuration, CSV, what a sample waits behind --------------------------------------------
+
+def new_run(store: Store, owner: str = "me", session_metadata: dict | None = None, **run) -> str:
+    session = store.create_session(owner, session_metadata)
+    return store.create_run(session["id"], owner, run.pop("base_model", "tiny"), run.pop("lora", {"rank": 4}),
+                            None, False, run)["id"]
+
+
+def test_find_runs_by_words_and_status(store):
+    a = new_run(store, experiment="LR-sweep-A", base_model="HuggingFaceTB/SmolLM2-135M")
+    b = new_run(store, session_metadata={"project": "100%_done"}, experiment="lr-sweep-b")
+    c = new_run(store, experiment="sft")
+    other = new_run(store, "someone else", experiment="lr-sweep-z")
+    store.set_run_status(c, RunStatus.FINISHED)
+    found = lambda **kw: [r["id"] for r in queries.find_runs(store, "me", **kw)[0]]  # noqa: E731
+    assert found() == [c, b, a]  # newest first, the owner's only
+    assert found(text="sweep") == [b, a] and found(text="SWEEP smollm2") == [a]  # every word, any case
+    assert found(text="smollm2") == [a]  # the base model
+    assert found(text=a[-6:]) == [a]  # the run id
+    assert found(text="100%_") == [b]  # the session's metadata; % and _ are literal
+    assert found(text="100%x") == [] and found(text="1_0") == []
+    assert found(status="finished") == [c] and found(status="live") == [b, a]
+    assert found(text="sweep", status="finished") == []
+    assert queries.find_runs(store, "me", limit=2) == (queries.find_runs(store, "me")[0][:2], 3)
+    assert queries.find_runs(store, "someone else", text="sweep")[0][0]["id"] == other
+
+
+def test_sample_wait_counts_what_is_ahead(store):
+    run_id = new_run(store)
+    running = operation(store, run_id, 0, OperationKind.FORWARD_BACKWARD, OperationStatus.RUNNING)
+    operation(store, run_id, 1, OperationKind.OPTIM_STEP, OperationStatus.QUEUED)
+    earlier, _ = store.submit_operation("someone else", None, None, OperationKind.SAMPLE, "")
+    mine, _ = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
+    later_run = new_run(store)
+    operation(store, later_run, 0, OperationKind.FORWARD_BACKWARD, OperationStatus.QUEUED)  # after mine: not ahead
+    wait = queries.sample_wait(store, "me", mine["id"])
+    assert wait["status"] == "queued" and wait["ahead"] == 3 and wait["waited_s"] >= 0
+    assert wait["behind"] == [{"kind": "forward_backward", "status": "running", "count": 1},
+                              {"kind": "optim_step", "status": "queued", "count": 1},
+                              {"kind": "sample", "status": "queued", "count": 1}]
+    # Started: the samples queued before it are behind it now; the engine's training is still ahead.
+    store.set_operation(mine["id"], OperationStatus.RUNNING)
+    assert queries.sample_wait(store, "me", mine["id"])["ahead"] == 2
+    store.set_operation(running, OperationStatus.SUCCEEDED, result={"loss": 1.0, "metrics": {}})
+    store.set_operation(earlier["id"], OperationStatus.RUNNING)
+    assert queries.sample_wait(store, "me", mine["id"])["behind"] == [
+        {"kind": "optim_step", "status": "queued", "count": 1}]
+    store.set_operation(mine["id"], OperationStatus.SUCCEEDED, result={})
+    assert queries.sample_wait(store, "me", mine["id"])["ahead"] == 0
+    with pytest.raises(NotFound):
+        queries.sample_wait(store, "someone else", mine["id"])  # another key's request
+
+
+def configured(store: Store, run_id: str, seq_id: int, kind: OperationKind, config: dict) -> None:
+    op, _ = store.submit_operation("me", run_id, seq_id, kind, f"d{seq_id}", config=config)
+    store.set_operation(op["id"], OperationStatus.RUNNING)
+    store.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"loss": 1.0, "metrics": {}})
+
+
+def adam(lr: float, **more) -> dict:
+    return {"adam_params": {"learning_rate": lr, "beta1": 0.9, "weight_decay": 0.0, **more}}
+
+
+def test_summarize_settings():
+    by = {r["name"]: r for r in configuration.summarize([adam(1e-4), adam(2e-4), adam(1e-4, weight_decay=0.1)])}
+    assert by["learning_rate"] == {"name": "learning_rate", "latest": 1e-4, "distinct": 2, "values": [],
+                                   "low": 1e-4, "high": 2e-4}  # a number that changed: its range
+    assert by["beta1"] == {"name": "beta1", "latest": 0.9, "distinct": 1, "values": [0.9], "low": None, "high": None}
+    assert (by["weight_decay"]["latest"], by["weight_decay"]["high"]) == (0.0, 0.1)
+    # Losses that changed: each distinct value, newest first; a key one loss lacks counts as None.
+    by = {r["name"]: r for r in configuration.summarize([{"loss_fn": "ppo", "loss_config": {"clip_low_threshold": 0.8}},
+                                                          {"loss_fn": "cross_entropy", "loss_config": {}}])}
+    assert by["loss_fn"]["values"] == ["ppo", "cross_entropy"] and by["loss_fn"]["distinct"] == 2
+    assert by["loss_config.clip_low_threshold"]["values"] == [0.8, None]
+    assert configuration.summarize([{"loss_fn": "custom", "loss_config_bytes": 9000}])[1] == {
+        "name": "loss_config", "latest": "(9,000 bytes)", "distinct": 1, "values": ["(9,000 bytes)"],
+        "low": None, "high": None}
+    assert configuration.targets({"target_modules": ["q_proj", "v_proj"]}) == "q_proj, v_proj"
+    assert configuration.targets({"train_attn": True, "train_mlp": False, "train_unembed": False}) == "attention"
+
+
+def test_run_config_reads_a_bounded_window(store, monkeypatch):
+    """The newest WINDOW operations of each kind and the first: a schedule's range over them, the first value kept."""
+    monkeypatch.setattr(configuration, "WINDOW", 4)
+    run_id = new_run(store, lora={"rank": 8, "alpha": 16.0, "seed": 3, "train_unembed": False})
+    seq = 0
+    for lr in (9e-3, 5e-3, 4e-3, 3e-3, 2e-3, 1e-3):
+        configured(store, run_id, seq, OperationKind.FORWARD_BACKWARD,
+                   {"loss_fn": "importance_sampling", "loss_config": {}})
+        configured(store, run_id, seq + 1, OperationKind.OPTIM_STEP, adam(lr))
+        seq += 2
+    operation(store, run_id, seq, OperationKind.SAVE_STATE, OperationStatus.SUCCEEDED, {})  # no config
+    config = configuration.run_config(store, store.get_run(run_id))
+    assert (config["rank"], config["alpha"], config["seed"], config["targets"]) == (8, 16.0, 3, "attention, MLP")
+    sections = {s["kind"]: s for s in config["sections"]}
+    assert set(sections) == {"forward_backward", "optim_step"}
+    optim = sections["optim_step"]
+    assert optim["seen"] == 5 and optim["cut"]  # the newest 4 and the first; 5e-3 left out
+    lr = next(s for s in optim["settings"] if s["name"] == "learning_rate")
+    assert (lr["latest"], lr["low"], lr["high"], lr["distinct"]) == (1e-3, 1e-3, 9e-3, 5)
+    loss = sections["forward_backward"]["settings"]
+    assert loss == [{"name": "loss_fn", "latest": "importance_sampling", "distinct": 1,
+                     "values": ["importance_sampling"], "low": None, "high": None}]
+    if store.engine.dialect.name == "sqlite":  # the window is a walk of the (run_id, seq_id) index, never a sort
+        query = configuration.configs_query(run_id, OperationKind.OPTIM_STEP, newest=True).limit(4)
+        with store.engine.connect() as conn:
+            plan = " ".join(str(row) for row in conn.execute(text("EXPLAIN QUERY PLAN " + str(query.compile(
+                store.engine, compile_kwargs={"literal_binds": True})))))
+        assert "USING INDEX sqlite_autoindex_operations" in plan and "TEMP B-TREE" not in plan, plan
+
+
+def test_csv_rows_are_the_points_as_stored(store):
+    run_id = new_run(store)
+    operation(store, run_id, 0, OperationKind.FORWARD_BACKWARD, OperationStatus.SUCCEEDED, FB_RESULT)
+    operation(store, run_id, 1, OperationKind.OPTIM_STEP, OperationStatus.SUCCEEDED, OPTIM_RESULT)
+    precise = {"loss": 0.1 + 0.2, "metrics": {"tokens:sum": 3.0}}
+    operation(store, run_id, 2, OperationKind.FORWARD, OperationStatus.SUCCEEDED, precise)
+    operation(store, run_id, 3, OperationKind.FORWARD_BACKWARD, OperationStatus.FAILED, error={"code": "x"})
+    run_metrics.log_metrics(store, run_id, "me", {"reward/mean": 0.25}, step=1)
+    rows = list(curves_csv.rows(store, run_id, page=1))  # a page per point: the paging is exercised too
+    ends = {op["seq_id"]: op["finished_at"] for op in store.list_operations(run_id)}
+    assert [row[:5] for row in rows] == [
+        ("forward_backward", 0, 1, "loss", 12.0), ("forward_backward", 0, 1, "loss:sum", 12.0),
+        ("forward_backward", 0, 1, "ratio:mean", 1.5), ("forward_backward", 0, 1, "tokens:sum", 4.0),
+        ("optim_step", 1, 1, "grad_norm", 2.5), ("optim_step", 1, 1, "learning_rate", 1e-3),
+        ("optim_step", 1, 1, "learning_rate_lora_B", 1e-3), ("optim_step", 1, 1, "step", 1.0),
+        ("forward", 2, 2, "loss", 0.1 + 0.2), ("forward", 2, 2, "tokens:sum", 3.0),
+        ("logged", "", 1, "reward/mean", 0.25)]
+    assert [row[5] for row in rows[:-1]] == [ends[row[1]] for row in rows[:-1]]
+    text = "".join(curves_csv.lines(store, run_id))
+    assert text.splitlines()[0] == "source,seq_id,step,name,value,time"
+    assert "forward,2,2,loss,0.30000000000000004," in text  # full precision, exact on both databases

@@ -20,7 +20,9 @@ class Trainer(threading.Thread):
     `eval_every` steps, a sampler version every `version_every` steps and one saved state, then
     `steps_delay` seconds between steps so that a watcher sees the run move. After each step it logs a reward
     as an RL loop would (computed here, from the step's own result: each datum's mean token probability),
-    `reward/mean` and `reward/min`, at the run's current optimizer step (the route's default)."""
+    `reward/mean` and `reward/min`, at the run's current optimizer step (the route's default); and with each
+    evaluation, the batch's examples as samples (a prompt, its completion and that datum's reward), kept in
+    `samples` as logged."""
 
     def __init__(self, url: str, api_key: str | None = None, steps: int = 40, step_delay: float = 0.25,
                  version_every: int = 10, eval_every: int = 5, lr: float = 5e-3):
@@ -32,6 +34,7 @@ class Trainer(threading.Thread):
         self.session_id: str | None = None
         self.losses: list[float] = []
         self.rewards: list[tuple[int, float, float]] = []  # (step, mean, min) as logged
+        self.samples: dict[int, list[dict]] = {}  # step -> the samples logged at it
         self.versions: list[int] = []
         self.state_id: str | None = None
         self.done_steps = 0
@@ -60,6 +63,10 @@ class Trainer(threading.Thread):
                 self.rewards.append((logged["step"], logged["metrics"]["reward/mean"], logged["metrics"]["reward/min"]))
                 if step % self.eval_every == 0:
                     run.forward(batch[:1], "cross_entropy").result()
+                    samples = [{"prompt": f"example {i}: tokens {p}", "completion": f"tokens {c}\nstep {step}",
+                                "reward": prob, "metadata": {"datum": i, "tokens": len(c)}}
+                               for i, ((p, c), prob) in enumerate(zip(EXAMPLES, probs))]
+                    self.samples[run.log_samples(samples)["step"]] = samples
                 if step % self.version_every == 0:
                     self.versions.append(run.save_weights_for_sampler().result()["version"])
                 if step == self.version_every:

@@ -120,7 +120,7 @@ def test_request_bodies_are_the_real_schemas(srv, spec):
         assert set(schema.get("required", [])) == required, (method, path)
         assert schema.get("additionalProperties") is False, f"{path}: unknown fields must be refused"
         assert str(route.status_code) in op["responses"], (method, path)
-    assert with_body == 21  # POST /v1/custom_losses is the 21st
+    assert with_body == 22  # POST /v1/runs/{run_id}/samples is the 22nd
 
 
 def test_key_request_schemas(spec):

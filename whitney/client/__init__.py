@@ -268,6 +268,21 @@ class RunClient:
         params = [("name", n) for n in names]
         return self.client.request("GET", f"/v1/runs/{self.id}/metrics", params=params)["metrics"]
 
+    def log_samples(self, samples: list[dict], step: int | None = None) -> dict:
+        """Log prompts and the completions sampled for them, each {"prompt", "completion", "reward"?,
+        "metadata"?} (at most 64), as the samples of `step`, by default the run's current optimizer step; the
+        console shows them as a table. They replace the samples logged at that step before."""
+        import json
+
+        body = json.dumps(_drop_none({"step": step, "samples": samples}), allow_nan=True)
+        return self.client.request("POST", f"/v1/runs/{self.id}/samples", content=body,
+                                   headers={"Content-Type": "application/json"})
+
+    def samples(self, step: int | None = None, limit: int = 100) -> list[dict]:
+        """The logged samples, newest step first (only those of `step` when given)."""
+        params = _drop_none({"step": step, "limit": limit})
+        return self.client.request("GET", f"/v1/runs/{self.id}/samples", params=params)["samples"]
+
     def finish(self) -> dict:
         return self.client.request("POST", f"/v1/runs/{self.id}/finish")
 

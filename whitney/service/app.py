@@ -26,8 +26,8 @@ from whitney.service.keys import KeyGate, KeyLimits, KeyRing
 from whitney.service.limits import Limits
 from whitney.service.metrics import Metrics
 from whitney.service.quotas import QuotaExceeded, Quotas
-from whitney.service.routes import (capabilities, checkpoints, custom_losses, openai, operations, run_metrics, sampling,
-                                    sessions)
+from whitney.service.routes import (capabilities, checkpoints, custom_losses, openai, operations, run_metrics,
+                                    run_samples, sampling, sessions)
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store
 from whitney.service.text import TextCheck
@@ -106,7 +106,8 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
                                      {name: public for name, public in zip(config.models, shown) if name != public},
                                      metrics)
     metrics.watch(app.state.whitney)
-    for module in (capabilities, sessions, operations, custom_losses, sampling, checkpoints, openai, run_metrics):
+    for module in (capabilities, sessions, operations, custom_losses, sampling, checkpoints, openai, run_metrics,
+                   run_samples):
         app.include_router(module.router, responses=ERRORS)
     app.include_router(capabilities.health, responses=ERRORS)  # GET /healthz, the one route open without a key
     # The Tinker SDK's protocol, over the same state (store, scheduler, engine).

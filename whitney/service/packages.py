@@ -34,8 +34,9 @@ MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # Tinker's upper bound (its lower one, a
 
 
 def migrate(engine) -> None:
-    """ALTER TABLE ... ADD COLUMN for each column of the packages and sessions tables the database lacks, and
-    CREATE INDEX for each named index of the operations table it lacks."""
+    """ALTER TABLE ... ADD COLUMN for each column of the packages, sessions and operations tables the database
+    lacks, and CREATE INDEX for each named index of the operations table it lacks. (A new table, such as
+    run_samples, is made by create_all.)"""
     found = inspect(engine)
     table = OperationRow.__table__
     if found.has_table(table.name):
@@ -43,7 +44,7 @@ def migrate(engine) -> None:
         for index in table.indexes:
             if index.name not in have:
                 index.create(engine)
-    for table in (PackageRow.__table__, SessionRow.__table__):
+    for table in (PackageRow.__table__, SessionRow.__table__, OperationRow.__table__):
         if not found.has_table(table.name):
             continue
         have = {c["name"] for c in found.get_columns(table.name)}

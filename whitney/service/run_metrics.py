@@ -153,11 +153,11 @@ def metric_series(store: Store, run_id: str, owner: str, names: list[str] | None
 
 
 def points_after(store: Store, run_id: str, after: int = -1, limit: int = 5000) -> list[dict]:
-    """The run's points written after id `after`, oldest write first: `{id, name, step, value}` (the console's
-    poll; a replaced point comes again, under its new id)."""
+    """The run's points written after id `after`, oldest write first: `{id, name, step, value, t}` (`t`: when it
+    was logged; the console's poll; a replaced point comes again, under its new id)."""
     ensure_table(store)
-    q = (select(RunMetricRow.id, RunMetricRow.name, RunMetricRow.step, RunMetricRow.value)
+    q = (select(RunMetricRow.id, RunMetricRow.name, RunMetricRow.step, RunMetricRow.value, RunMetricRow.logged_at)
          .where(RunMetricRow.run_id == run_id, RunMetricRow.id > after).order_by(RunMetricRow.id).limit(limit))
     with store.tx() as db:
         rows = db.execute(q).all()
-    return [{"id": i, "name": name, "step": step, "value": value} for i, name, step, value in rows]
+    return [{"id": i, "name": name, "step": step, "value": value, "t": t} for i, name, step, value, t in rows]

@@ -147,14 +147,16 @@ class Store:
     # ---- operations -------------------------------------------------------------------------
 
     def submit_operation(self, owner: str, run_id: str | None, seq_id: int | None, kind: OperationKind,
-                         body_digest: str, admit: Callable[[], None] | None = None) -> tuple[dict, bool]:
+                         body_digest: str, admit: Callable[[], None] | None = None,
+                         config: dict | None = None) -> tuple[dict, bool]:
         """Queue (run, seq_id), or return the existing operation if the same body was sent before.
 
         Returns (operation, created). The run must be the owner's (NotFound). A run that is not active
         takes no new seq_id (Conflict) but still answers a retry of one it has; a different body under a
         used seq_id is a Conflict. `admit` (the quota check) runs only for a new operation, before it is
         inserted: raising refuses it and nothing is stored. Sampling operations pass run_id/seq_id None
-        and are never deduplicated.
+        and are never deduplicated. `config` is kept beside a new operation (what the console's configuration
+        panel shows: a forward's loss, an optim_step's hyperparameters); a retry keeps the first one's.
 
         `admit` runs between the checks and the insert, with no connection held: it reads the store
         itself, and a connection held across it would let many concurrent submissions exhaust the pool.
@@ -162,7 +164,7 @@ class Store:
         """
         row = {"id": new_id("op"), "owner": owner, "run_id": run_id, "seq_id": seq_id, "kind": OperationKind(kind),
                "body_digest": body_digest, "status": OperationStatus.QUEUED, "result": None, "error": None,
-               "created_at": time.time(), "started_at": None, "finished_at": None}
+               "created_at": time.time(), "started_at": None, "finished_at": None, "config": config}
         if run_id is not None:  # Core statements throughout: every operation passes here
             with self.engine.connect() as conn:
                 run = conn.execute(_RUN, {"id": run_id}).first()

@@ -1,4 +1,5 @@
-"""The tables of the store (SQLAlchemy rows): sessions, runs, operations, model packages, API keys.
+"""The tables of the store (SQLAlchemy rows): sessions, runs, operations, model packages, API keys, the samples
+a training loop logs for its runs.
 
 Rows stay inside the service: store.py's functions turn them into plain dicts (`_row_dict`).
 """
@@ -66,6 +67,10 @@ class OperationRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # What the request asked for that the console's configuration panel shows (a forward's loss_fn and loss_config,
+    # an optim_step's adam_params; NULL for other kinds, and for operations made before this column existed:
+    # packages.migrate adds it to an older database).
+    config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
 
 class PackageRow(Base):
@@ -105,6 +110,28 @@ class KeyRow(Base):
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_queued_operations: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class RunSampleRow(Base):
+    """A prompt and the completion a training loop sampled for it, logged at a step (run_samples.py)."""
+
+    __tablename__ = "run_samples"
+    # A step's samples are replaced as a whole (a resent request stores them once); this also finds a run's steps.
+    # The key's total is summed over (owner, bytes) alone, an index-only scan (its quota, run_samples.py).
+    __table_args__ = (UniqueConstraint("run_id", "step", "idx", name="one_sample_per_step_index"),
+                      Index("ix_run_samples_owner_bytes", "owner", "bytes"))
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))
+    owner: Mapped[str] = mapped_column(String(128))
+    step: Mapped[int] = mapped_column(BigInteger)
+    idx: Mapped[int] = mapped_column(Integer)  # the sample's place in its request
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float | None] = mapped_column(Float(precision=53), nullable=True)
+    sample_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    bytes: Mapped[int] = mapped_column(Integer)  # UTF-8 bytes of prompt, completion and metadata (the key's quota)
+    logged_at: Mapped[float] = mapped_column(Float)
 
 
 def _row_dict(row) -> dict:

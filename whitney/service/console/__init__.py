@@ -1,7 +1,9 @@
 """The web console at /console: a reader over the service's own state (store, scheduler, backend, metrics).
 
 Server-rendered pages (Jinja2) with htmx for the parts that refresh in place, uPlot for the curves, and
-two small scripts of our own (curves and the playground's streaming chat); the third-party files are
+small scripts of our own (charts.js: the charts and their view, smoothing and axes; console.js: a run's live
+curves and the server's throughput; compare.js: runs overlaid; playground.js: the streaming chat, one model or
+two side by side); the third-party files are
 vendored under static/vendor/ (versions and licenses in static/vendor/README.md), so nothing is built or
 fetched at run time. See docs/ARCHITECTURE.md, "The console".
 

@@ -8,6 +8,7 @@ SameSite=Strict too).
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,12 +16,12 @@ from typing import Annotated
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.templating import Jinja2Templates
 
 from whitney.errors import Conflict
-from whitney.service import run_metrics
-from whitney.service.console import queries
+from whitney.service import run_metrics, run_samples
+from whitney.service.console import configuration, curves_csv, queries
 from whitney.service.console.auth import COOKIE, SignIn, viewer
 from whitney.service.console.exports import EXPORTABLE, export_peft
 from whitney.service.console.server import server_view
@@ -31,6 +32,8 @@ from whitney.service.routes import checkpoints
 
 Viewer = Annotated[str, Depends(viewer)]
 SPARKLINES = 50  # the newest runs whose recent losses the runs list draws
+COMPARED = 8  # runs overlaid at most on the compare page
+PALETTE = ("#4f46e5", "#0d9488", "#f59e0b", "#db2777", "#2563eb", "#65a30d", "#9333ea", "#dc2626")  # charts.js's
 public = APIRouter()
 router = APIRouter(dependencies=[Depends(viewer)])
 
@@ -99,8 +102,13 @@ def _sparkline(values: list[float], width: int = 120, height: int = 28) -> str:
     return " ".join(f"{2 + i * step:.1f},{2 + (height - 4) * (high - v) / span:.1f}" for i, v in enumerate(values))
 
 
+def _css_id(text: str) -> str:
+    """`text` as an element id a CSS selector takes as it is (a Tinker run id holds colons)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", text)
+
+
 templates.env.filters.update(ago=_ago, when=_when, duration=_duration, size=_size, number=_number,
-                             sparkline=_sparkline)
+                             sparkline=_sparkline, css_id=_css_id)
 templates.env.globals.update(LIVE=RUN_LIVE, PENDING=OPERATION_PENDING, EXPORTABLE=EXPORTABLE)
 
 
@@ -154,9 +162,11 @@ def logout(request: Request):
 
 # ---- sessions and runs -------------------------------------------------------------------------
 
-def _sessions(st: ServiceState, who: str) -> dict:
-    sessions = list(reversed(st.store.list_sessions(who)))
-    runs = list(reversed(st.store.list_runs(who)))
+def _sessions(st: ServiceState, who: str, q: str = "", status: str = "") -> dict:
+    """The runs list: the newest runs matching the search (text, status) under their sessions; with a search,
+    only the sessions it found runs in."""
+    status = status if status in queries.RUN_FILTERS else ""
+    runs, total = queries.find_runs(st.store, who, q, status)
     ids = [r["id"] for r in runs]
     counts, losses = queries.operation_counts(st.store, ids), queries.recent_losses(st.store, ids[:SPARKLINES])
     by_session: dict[str, list[dict]] = {}
@@ -164,18 +174,44 @@ def _sessions(st: ServiceState, who: str) -> dict:
         recent = losses.get(run["id"], [])
         by_session.setdefault(run["session_id"], []).append(
             {**run, "counts": counts.get(run["id"], {}), "losses": recent, "last_loss": recent[-1] if recent else None})
-    return {"sessions": [{**s, "runs": by_session.get(s["id"], [])} for s in sessions],
-            "summary": queries.owner_summary(st.store, who), "owner": who}
+    sessions = [{**s, "runs": by_session.get(s["id"], [])} for s in reversed(st.store.list_sessions(who))]
+    searching = bool(q.strip() or status)
+    if searching:
+        sessions = [s for s in sessions if s["runs"]]
+    return {"sessions": sessions, "summary": queries.owner_summary(st.store, who), "owner": who,
+            "q": q, "status": status, "filters": queries.RUN_FILTERS, "searching": searching,
+            "shown": len(runs), "total": total}
 
 
 @router.get("/", response_class=HTMLResponse)
-def home(request: Request, who: Viewer):
-    return templates.TemplateResponse(request, "sessions.html", _sessions(_state(request), who))
+def home(request: Request, who: Viewer, q: str = "", status: str = ""):
+    return templates.TemplateResponse(request, "sessions.html", _sessions(_state(request), who, q, status))
 
 
 @router.get("/parts/sessions", response_class=HTMLResponse)
-def sessions_part(request: Request, who: Viewer):
-    return templates.TemplateResponse(request, "_sessions.html", _sessions(_state(request), who))
+def sessions_part(request: Request, who: Viewer, q: str = "", status: str = ""):
+    return templates.TemplateResponse(request, "_sessions.html", _sessions(_state(request), who, q, status))
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare(request: Request, who: Viewer, run: Annotated[list[str], Query()] = []):  # noqa: B006 (FastAPI's form)
+    """Runs side by side: their settings in one table, their curves overlaid (one series per run)."""
+    st = _state(request)
+    ids = list(dict.fromkeys(run))[:COMPARED]
+    runs = [st.store.get_run(run_id, who) for run_id in ids]  # another key's run: 404
+    counts = queries.operation_counts(st.store, ids)
+    rows = []
+    for i, r in enumerate(runs):
+        config = configuration.run_config(st.store, r)
+        settings = {s["name"]: s for section in config["sections"] if section["kind"] != "forward"
+                    for s in section["settings"]}  # the training loss's and the optimizer's
+        rows.append({"run": r, "color": PALETTE[i % len(PALETTE)], "config": config, "settings": settings,
+                     "counts": counts[r["id"]]})
+    base = request.scope.get("root_path", "")
+    charted = [{"id": row["run"]["id"], "url": f"{base}/runs/{row['run']['id']}/curves", "color": row["color"],
+                "start": row["run"]["created_at"]} for row in rows]
+    return templates.TemplateResponse(request, "compare.html", {"rows": rows, "charted": charted,
+                                                                "compared": COMPARED})
 
 
 def _run_live(st: ServiceState, who: str, run_id: str) -> dict:
@@ -196,12 +232,54 @@ def _run_files(st: ServiceState, who: str, run_id: str) -> dict:
     return {"run": run, "packages": packages, "versions": versions, "live": run["status"] in RUN_LIVE}
 
 
+def _run_config(st: ServiceState, who: str, run_id: str) -> dict:
+    run = st.store.get_run(run_id, who)
+    return {"run": run, "config": configuration.run_config(st.store, run), "live": run["status"] in RUN_LIVE}
+
+
+def _run_samples(st: ServiceState, who: str, run_id: str, step: int | None) -> dict:
+    """The samples the run's loop logged at `step` (default: its newest step that has samples)."""
+    run = st.store.get_run(run_id, who)
+    steps = run_samples.sample_steps(st.store, run_id)
+    pinned = step is not None and step in {s for s, _ in steps}  # else it follows the newest step
+    if not pinned:
+        step = steps[0][0] if steps else None
+    rows = [] if step is None else run_samples.list_samples(st.store, run_id, who, step=step,
+                                                            limit=run_samples.LIMITS.max_samples_per_request)
+    return {"run": run, "steps": steps, "step": step, "pinned": pinned, "samples": rows,
+            "live": run["status"] in RUN_LIVE}
+
+
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: str, who: Viewer):
     st = _state(request)
     context = {**_run_live(st, who, run_id), **_run_files(st, who, run_id)}
     context["session"] = st.store.get_session(context["run"]["session_id"], who)
+    context["config"] = configuration.run_config(st.store, context["run"])
+    context["sampled"] = _run_samples(st, who, run_id, None)
     return templates.TemplateResponse(request, "run.html", context)
+
+
+@router.get("/runs/{run_id}/parts/config", response_class=HTMLResponse)
+def run_config_part(request: Request, run_id: str, who: Viewer):
+    return templates.TemplateResponse(request, "_run_config.html", _run_config(_state(request), who, run_id))
+
+
+@router.get("/runs/{run_id}/parts/samples", response_class=HTMLResponse)
+def run_samples_part(request: Request, run_id: str, who: Viewer, step: str = Query("", max_length=20)):
+    """The samples of `step` (empty: the newest step's, followed as new steps come)."""
+    sampled = _run_samples(_state(request), who, run_id, int(step) if step.isdigit() else None)
+    return templates.TemplateResponse(request, "_run_samples.html", {"run": sampled["run"], "sampled": sampled})
+
+
+@router.get("/runs/{run_id}/curves.csv")
+def run_curves_csv(request: Request, run_id: str, who: Viewer):
+    """Every charted value of the run as CSV (curves_csv.py), streamed: the store is read a page at a time on the
+    thread pool (Starlette iterates a plain generator there)."""
+    st = _state(request)
+    st.store.get_run(run_id, who)
+    return StreamingResponse(curves_csv.lines(st.store, run_id), media_type="text/csv; charset=utf-8",
+                             headers={"Content-Disposition": f'attachment; filename="{_css_id(run_id)}-curves.csv"'})
 
 
 @router.get("/runs/{run_id}/parts/live", response_class=HTMLResponse)
@@ -254,9 +332,9 @@ async def checkpoint_export(request: Request, package_id: str, who: Viewer):
 # ---- the playground and the server -------------------------------------------------------------
 
 @router.get("/playground", response_class=HTMLResponse)
-def playground(request: Request, who: Viewer, model: str = ""):
-    """Pick weights (a base model, a run's sampler version, a checkpoint) and chat with them; the page's
-    script streams from POST /v1/chat/completions."""
+def playground(request: Request, who: Viewer, model: str = "", compare: str = ""):
+    """Pick weights (a base model, a run's sampler version, a checkpoint), and a second to compare with, and
+    chat with them; the page's script streams from POST /v1/chat/completions."""
     st = _state(request)
     runs = list(reversed(st.store.list_runs(who)))
     versions = queries.owner_sampler_versions(st.store, who, [r["id"] for r in runs])
@@ -267,8 +345,15 @@ def playground(request: Request, who: Viewer, model: str = ""):
                for run in runs for version, package_id in versions.get(run["id"], [])
                if run["status"] in RUN_OPEN or package_id in kept]
     return templates.TemplateResponse(request, "playground.html", {
-        "models": st.models, "versions": choices, "packages": packages, "selected": model,
+        "models": st.models, "versions": choices, "packages": packages, "selected": model, "compare": compare,
         "known": model in st.models or model in kept or any(c["value"] == model for c in choices)})
+
+
+@router.get("/playground/wait")
+def playground_wait(request: Request, who: Viewer, op: str = Query(max_length=64)):
+    """What the viewer's sampling operation waits behind (queries.sample_wait); the playground asks while no
+    token of its answer has come."""
+    return JSONResponse(queries.sample_wait(_state(request).store, who, op))
 
 
 def _server(request: Request) -> dict:

@@ -10,24 +10,28 @@ predecessor stays queued): a poller asks only for points after the last seq_id i
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import String, and_, cast, func, or_, select
 
-from whitney.service.lifecycle import (OPERATION_PENDING, RUN_LIVE, OperationKind, OperationStatus,
-                                       SessionStatus)
+from whitney.service.lifecycle import (OPERATION_PENDING, RUN_LIVE, SAMPLING_KINDS, OperationKind, OperationStatus,
+                                       RunStatus, SessionStatus)
 from whitney.service.store import OperationRow, PackageRow, RunRow, SessionRow, Store
 
 CURVE_KINDS = (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD, OperationKind.OPTIM_STEP)
 TIMELINE_ROWS = 200  # the newest operations a run page shows
+RUNS_SHOWN = 500  # the newest runs the runs list shows (a search finds older ones)
+RUN_FILTERS = ("live", *RunStatus)  # the runs list's status filter: live (active, finishing, cancelling), or one status
 
 
 def curve_points(store: Store, run_id: str, after: int = -1, limit: int = 5000) -> list[dict]:
     """A run's metric points after seq_id `after`, oldest first: one per succeeded forward, forward_backward
     or optim_step, `{seq, kind, t, loss, metrics}` (loss None for optim_step, whose metrics hold grad_norm,
     learning_rate and step)."""
-    q = (select(OperationRow.seq_id, OperationRow.kind, OperationRow.finished_at, OperationRow.result["loss"],
-                OperationRow.result["metrics"])
+    # The loss as_float: SQLite's JSON path would quote a number with 15 digits; a float reads back exactly.
+    q = (select(OperationRow.seq_id, OperationRow.kind, OperationRow.finished_at,
+                OperationRow.result["loss"].as_float(), OperationRow.result["metrics"])
          .where(OperationRow.run_id == run_id, OperationRow.seq_id > after, OperationRow.kind.in_(CURVE_KINDS),
                 OperationRow.status == OperationStatus.SUCCEEDED)
          .order_by(OperationRow.seq_id).limit(limit))
@@ -172,3 +176,51 @@ def directory_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+def find_runs(store: Store, owner: str, text: str = "", status: str = "", limit: int = RUNS_SHOWN
+              ) -> tuple[list[dict], int]:
+    """The owner's runs, newest first (at most `limit`), and how many match in all. `status`: "live" or a run
+    status. `text`: words (case-insensitive), each found in the run's id, base model or metadata, or its
+    session's id, project, display name, tags or metadata (metadata and tags as their stored JSON)."""
+    q = select(RunRow).join(SessionRow, RunRow.session_id == SessionRow.id).where(RunRow.owner == owner)
+    if status == "live":
+        q = q.where(RunRow.status.in_(RUN_LIVE))
+    elif status:
+        q = q.where(RunRow.status == status)
+    fields = (RunRow.id, RunRow.base_model, cast(RunRow.user_metadata, String), SessionRow.id, SessionRow.project_id,
+              SessionRow.display_name, cast(SessionRow.tags, String), cast(SessionRow.user_metadata, String))
+    words = text.lower().split()[:8]
+    if words:
+        q = q.where(and_(*[or_(*[func.lower(f).contains(w, autoescape=True) for f in fields]) for w in words]))
+    with store.tx() as db:
+        total = db.scalar(select(func.count()).select_from(q.subquery()))
+        rows = db.scalars(q.order_by(RunRow.created_at.desc()).limit(limit)).all()
+        return [{c.name: getattr(r, c.name) for c in RunRow.__table__.columns} for r in rows], total
+
+
+def sample_wait(store: Store, owner: str, op_id: str) -> dict:
+    """What a sampling operation of the owner's waits behind, for the playground while no token has come:
+    `{status, waited_s, ahead, behind: [{kind, status, count}]}`. Ahead are the training operations the engine
+    is running (training and sampling take turns on one engine), the training operations queued before this
+    one, and, while this one is queued, the sampling requests queued before it. Server-wide counts, as the
+    server view shows (never another key's runs). One grouped count over the (few) pending operations."""
+    op = store.get_operation(op_id, owner)
+    out = {"status": op["status"], "waited_s": max(0.0, time.time() - op["created_at"]), "ahead": 0, "behind": []}
+    if op["status"] not in OPERATION_PENDING:
+        return out
+    training = OperationRow.kind.notin_(SAMPLING_KINDS)
+    ahead = or_(and_(training, OperationRow.status == OperationStatus.RUNNING),
+                and_(training, OperationRow.created_at < op["created_at"]))
+    if op["status"] == OperationStatus.QUEUED:
+        ahead = or_(ahead, and_(OperationRow.status == OperationStatus.QUEUED,
+                                OperationRow.created_at < op["created_at"]))
+    q = (select(OperationRow.kind, OperationRow.status, func.count())
+         .where(OperationRow.status.in_(OPERATION_PENDING), OperationRow.id != op_id, ahead)
+         .group_by(OperationRow.kind, OperationRow.status))
+    with store.tx() as db:
+        rows = db.execute(q).all()
+    out["behind"] = [{"kind": kind, "status": status, "count": n}
+                     for kind, status, n in sorted(rows, key=lambda r: (r[1] != "running", r[0]))]
+    out["ahead"] = sum(n for _, _, n in rows)
+    return out

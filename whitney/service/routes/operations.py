@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 from fastapi import APIRouter, Query
 
 from whitney.engine import AdamParams, ForwardRequest
@@ -32,10 +35,23 @@ def enqueue(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, bod
     tokens = job.tokens if isinstance(job, ForwardJob) else 0
     # A load counts as the checkpoint's reader until it ends, so the TTL reaper never deletes it first (packages.py).
     op, created = reading(st.store, job.path if isinstance(job, LoadJob) else None, lambda: st.store.submit_operation(
-        who, run_id, seq_id, kind, body_digest, admit=lambda: st.quotas.admit_operation(who, run_id, seq_id, tokens)))
+        who, run_id, seq_id, kind, body_digest, admit=lambda: st.quotas.admit_operation(who, run_id, seq_id, tokens),
+        config=shown_config(job)))
     if created and job is not None:
         st.scheduler.submit(op, job)
     return op
+
+
+def shown_config(job: Job | None) -> dict | None:
+    """What the console's configuration panel shows of an operation, kept beside it: a forward's loss and its
+    config (a config over 2 KiB, a custom loss's graph, only as its size), an optim_step's hyperparameters."""
+    if isinstance(job, OptimJob):
+        return {"adam_params": asdict(job.params)}
+    if isinstance(job, ForwardJob):
+        size = len(json.dumps(job.loss_config, separators=(",", ":")))
+        return {"loss_fn": job.loss_fn, **({"loss_config": job.loss_config} if size <= 2048 else
+                                           {"loss_config_bytes": size})}
+    return None
 
 
 def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPayload, backward: bool) -> dict:

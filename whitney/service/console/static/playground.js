@@ -1,37 +1,55 @@
-/* Whitney console playground: a chat streamed from POST /v1/chat/completions (OpenAI's wire format).
+/* Whitney console playground: a chat streamed from POST /v1/chat/completions (OpenAI's wire format), with one
+ * model, or two side by side ("Compare with"): each prompt goes to both, each pane keeps its own conversation.
  *
  * The request has stream: true; the answer is server-sent events, one `data: {chat.completion.chunk}`
  * per event and `data: [DONE]` at the end, read here with a ReadableStream reader and shown as each
  * chunk arrives. With API keys on, the key the console signed in with (its cookie) is sent as
  * `Authorization: Bearer`, as any API client sends it.
+ *
+ * Waiting: the first chunk (the assistant's role) comes at once and carries the sampling operation's id
+ * ("chatcmpl-<op id>"); until the first token, the pane asks GET /console/playground/wait?op=<id> what the
+ * request waits behind (the engine trains and samples in turns) and says so: "Queued behind 2 operations
+ * (1 forward_backward running, 1 optim_step queued) · 12 s".
  */
 (function () {
   "use strict";
 
   const COOKIE = "whitney_console_key";
-  const API = document.body.dataset.base.replace(/\/console$/, "");  // the API's root: where /console is mounted
+  const BASE = document.body.dataset.base;
+  const API = BASE.replace(/\/console$/, "");  // the API's root: where /console is mounted
+  const WAIT_MS = 700;
   const $ = (id) => document.getElementById(id);
-  const messages = [];  // the conversation so far: {role, content}
-  let controller = null;  // the AbortController of the answer streaming now
+  // Each pane: its model picker, its messages box, its conversation so far ({role, content}), its request.
+  const panes = [{ model: "model", box: "messages", empty: "chat-empty" }, { model: "model-b", box: "messages-b", empty: "chat-empty-b" }]
+    .map((p) => ({ model: $(p.model), box: $(p.box), empty: $(p.empty), messages: [], controller: null }));
 
   function key() {
     const found = document.cookie.split("; ").find((c) => c.startsWith(COOKIE + "="));
     return found ? decodeURIComponent(found.slice(COOKIE.length + 1)) : null;
   }
 
-  function bubble(role, text) {
-    $("chat-empty").hidden = true;
+  function active() { return panes[1].model.value ? panes : panes.slice(0, 1); }
+
+  function layout() {
+    const two = active().length === 2;
+    $("panes").classList.toggle("two", two);
+    $("pane-b").hidden = !two;
+    document.querySelectorAll(".pane-head").forEach((h, i) => { h.hidden = !two; h.textContent = panes[i].model.value; });
+  }
+
+  function bubble(pane, role, text) {
+    pane.empty.hidden = true;
     const wrap = document.createElement("div");
     wrap.className = "msg " + role;
     const who = document.createElement("span");
     who.className = "who";
-    who.textContent = role === "user" ? "You" : role === "error" ? "Error" : $("model").value;
+    who.textContent = role === "user" ? "You" : role === "error" ? "Error" : pane.model.value;
     const body = document.createElement("div");
     body.className = "bubble";
     body.textContent = text;
     wrap.append(who, body);
-    $("messages").appendChild(wrap);
-    $("messages").scrollTop = $("messages").scrollHeight;
+    pane.box.appendChild(wrap);
+    pane.box.scrollTop = pane.box.scrollHeight;
     return wrap;
   }
 
@@ -61,19 +79,48 @@
     return "HTTP " + status;
   }
 
-  async function send(text) {
-    messages.push({ role: "user", content: text });
-    bubble("user", text);
-    const answer = bubble("assistant", "");
-    answer.classList.add("streaming");
-    const out = answer.querySelector(".bubble");
+  function waitText(w) {
+    const secs = " · " + Math.round(w.waited_s) + " s";
+    if (w.ahead > 0) {
+      const parts = w.behind.map((b) => b.count + " " + b.kind + " " + b.status);
+      return "Queued behind " + w.ahead + " operation" + (w.ahead === 1 ? "" : "s") + " (" + parts.join(", ") + ")" + secs;
+    }
+    return (w.status === "queued" ? "Queued" : "Starting") + secs;
+  }
+
+  /* Until `waiting()` turns false: what the operation waits behind, in `line`. */
+  async function showWait(opId, line, waiting) {
+    while (waiting()) {
+      try {
+        const r = await fetch(BASE + "/playground/wait?op=" + encodeURIComponent(opId), { headers: { Accept: "application/json" }, credentials: "same-origin" });
+        if (r.ok && waiting()) {
+          const w = await r.json();
+          line.textContent = waitText(w);
+          line.dataset.ahead = String(w.ahead);
+          line.hidden = false;
+        }
+      } catch (e) { /* the next try, or the answer, comes */ }
+      await new Promise((resolve) => setTimeout(resolve, WAIT_MS));
+    }
+  }
+
+  /* One pane's answer to `text`, streamed into a new assistant bubble. */
+  async function answer(pane, text) {
+    pane.messages.push({ role: "user", content: text });
+    bubble(pane, "user", text);
+    const reply = bubble(pane, "assistant", "");
+    reply.classList.add("streaming");
+    const out = reply.querySelector(".bubble");
+    const line = document.createElement("div");
+    line.className = "wait";
+    line.hidden = true;
     const stats = document.createElement("div");
     stats.className = "stats";
-    answer.appendChild(stats);
+    reply.append(line, stats);
     const system = $("system").value.trim();
     const payload = {
-      model: $("model").value,
-      messages: (system ? [{ role: "system", content: system }] : []).concat(messages),
+      model: pane.model.value,
+      messages: (system ? [{ role: "system", content: system }] : []).concat(pane.messages),
       stream: true,
       stream_options: { include_usage: true },
       temperature: Number($("temperature").value),
@@ -82,12 +129,11 @@
     };
     const headers = { "Content-Type": "application/json", Accept: "text/event-stream" };
     if (key()) headers.Authorization = "Bearer " + key();
-    controller = new AbortController();
-    busy(true);
+    pane.controller = new AbortController();
     const started = performance.now();
-    let first = null, chunks = 0, finish = null, text_ = "", usage = null;
+    let first = null, chunks = 0, finish = null, text_ = "", usage = null, waiting = true;
     try {
-      const r = await fetch(API + "/v1/chat/completions", { method: "POST", headers, body: JSON.stringify(payload), signal: controller.signal });
+      const r = await fetch(API + "/v1/chat/completions", { method: "POST", headers, body: JSON.stringify(payload), signal: pane.controller.signal });
       if (!r.ok) {
         let body = null;
         try { body = await r.json(); } catch (e) { /* not JSON */ }
@@ -106,39 +152,55 @@
           const chunk = JSON.parse(data);
           if (chunk.error) throw new Error(errorText(0, chunk));
           if (chunk.usage) usage = chunk.usage;
+          if (!reply.dataset.op && chunk.id) {
+            reply.dataset.op = chunk.id.replace(/^chatcmpl-/, "");
+            showWait(reply.dataset.op, line, () => waiting);
+          }
           const choice = (chunk.choices || [])[0];
           if (!choice) continue;
           const piece = (choice.delta && choice.delta.content) || "";
           if (piece) {
+            waiting = false;
+            line.hidden = true;
             if (first === null) first = performance.now();
             chunks += 1;
             text_ += piece;
             out.textContent = text_;
-            answer.dataset.chunks = String(chunks);
-            $("messages").scrollTop = $("messages").scrollHeight;
+            reply.dataset.chunks = String(chunks);
+            pane.box.scrollTop = pane.box.scrollHeight;
           }
           if (choice.finish_reason) finish = choice.finish_reason;
         }
       }
-      messages.push({ role: "assistant", content: text_ });
+      pane.messages.push({ role: "assistant", content: text_ });
       const end = performance.now();
       const rate = first !== null && end > first && chunks > 1 ? ((chunks - 1) / ((end - first) / 1000)).toFixed(1) + " chunks/s · " : "";
       const tokens = usage ? usage.completion_tokens + " tokens in " : "";
       stats.textContent = tokens + chunks + " chunks · " + (first === null ? "" : Math.round(first - started) + " ms to first · ") + rate + "finish: " + (finish || "—");
-      answer.dataset.finish = finish || "";
+      reply.dataset.finish = finish || "";
     } catch (e) {
       if (e.name === "AbortError") {
         stats.textContent = "stopped after " + chunks + " chunks";
-        messages.push({ role: "assistant", content: text_ });
+        pane.messages.push({ role: "assistant", content: text_ });
       } else {
-        messages.pop();  // the question was not answered: it is not part of the conversation
-        answer.remove();
-        bubble("error", e.message);
+        pane.messages.pop();  // the question was not answered: it is not part of the conversation
+        reply.remove();
+        bubble(pane, "error", e.message);
       }
     } finally {
-      answer.classList.remove("streaming");
-      answer.dataset.done = "true";
-      controller = null;
+      waiting = false;
+      line.hidden = true;
+      reply.classList.remove("streaming");
+      reply.dataset.done = "true";
+      pane.controller = null;
+    }
+  }
+
+  async function send(text) {
+    busy(true);
+    try {
+      await Promise.all(active().map((pane) => answer(pane, text)));
+    } finally {
       busy(false);
       $("prompt").focus();
     }
@@ -153,25 +215,30 @@
     $("composer").addEventListener("submit", (e) => {
       e.preventDefault();
       const text = $("prompt").value.trim();
-      if (!text || controller) return;
+      if (!text || panes.some((p) => p.controller)) return;
       $("prompt").value = "";
       send(text);
     });
     $("prompt").addEventListener("keydown", (e) => {
       if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
     });
-    $("stop").addEventListener("click", () => controller && controller.abort());
+    $("stop").addEventListener("click", () => panes.forEach((p) => p.controller && p.controller.abort()));
     $("clear").addEventListener("click", () => {
-      if (controller) controller.abort();
-      messages.length = 0;
-      $("messages").querySelectorAll(".msg").forEach((m) => m.remove());
-      $("chat-empty").hidden = false;
+      panes.forEach((p) => {
+        if (p.controller) p.controller.abort();
+        p.messages.length = 0;
+        p.box.querySelectorAll(".msg").forEach((m) => m.remove());
+        p.empty.hidden = false;
+      });
     });
-    $("model").addEventListener("change", () => {
+    [["model", "model"], ["model-b", "compare"]].forEach(([id, param]) => $(id).addEventListener("change", () => {
       const url = new URL(window.location.href);
-      url.searchParams.set("model", $("model").value);
+      if ($(id).value) url.searchParams.set(param, $(id).value);
+      else url.searchParams.delete(param);
       history.replaceState(null, "", url);
-    });
+      layout();
+    }));
+    layout();
   }
 
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
