@@ -57,6 +57,10 @@ def absolute(name: str, r: dict) -> str:
                     f"each {c['seconds']['separate']:.2f} s; matmul {c['matmul_gflops']['all_rows']:.0f} vs "
                     f"{c['matmul_gflops']['one_run_rows']:.0f} GFLOP/s")
         return out
+    if name == "busy":
+        return "; ".join(f"{k}: idle {v['idle']:.2f} s/step, one core busy {v['busy']:.2f} s/step "
+                         f"({r['busy_over_idle'][k]:.2f}x), sampling {r['sampled_tokens_per_s'][k]['idle']:.0f} -> "
+                         f"{r['sampled_tokens_per_s'][k]['busy']:.0f} tok/s" for k, v in r["seconds_per_step"].items())
     if name == "memory":
         peaks = {int(k): v for k, v in r["peak_rss_mib"].items()}
         few, many = min(peaks), max(peaks)
@@ -359,8 +363,11 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "- **busy**: the same SFT step (SmolLM2, 4 x 128 tokens, rank 32, forward_backward + optim_step submitted "
         "back to back) through `whitney serve`, on an idle machine and while another process keeps one core busy "
         "(a Python loop), idle and busy rounds alternating on one server per setting: the default thread policy "
-        "(threads = the CPUs the server may use, waiting threads asleep), the same threads spinning as libgomp does "
-        "by default (OMP_WAIT_POLICY=ACTIVE: the old default), and `--threads 1`. Target: default busy <= 2x idle.",
+        "(`--threads auto`: the CPUs other processes leave free, engine/threads.py), threads fixed at the CPUs "
+        "(the old default), and `--threads 1`; then 4 greedy samples of 32 tokens from the base model the same way "
+        "(tokens/s). A busy round starts after the other process has run for 1 s, an idle round 1 s after it "
+        "ended; the one step that starts together with it is reported apart (the engine sees a new load only from its next call on). Target: "
+        "default SFT step busy <= 2x idle.",
         "- **tenants** (`--only tenants`, issue 15): 32 clients, each its own session and rank-8 run, loop "
         "forward_backward (4 x 64) + optim_step and every 8th step a sampler version and an 8-token sample, for "
         "90 s (or 4 times the warm-up, where longer: a round must fit several times) after an untimed warm-up step each, on the tiny model and on SmolLM2: against the commit before "

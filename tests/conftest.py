@@ -29,6 +29,15 @@ if os.environ.get("WHITNEY_TEST_CUDA") != "1":
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_after_each_test():
+    """An engine started with the CLI's defaults sets this process's threads (`--threads auto`): put back the
+    suite's one thread after the test."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def torch_threads():
     """All cores for the duration of one test (the real 135M model)."""

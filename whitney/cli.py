@@ -70,10 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from whitney.protocol.config import engine_process_env
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.update(engine_process_env())  # before anything loads torch: how its compute threads wait
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve_main(args)
@@ -102,18 +99,12 @@ def serve_main(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
 
-    from dataclasses import replace
-
     from whitney.errors import WhitneyError
-    from whitney.protocol.config import usable_cpus
     from whitney.service.app import ServiceConfig, create_app, serve_in_thread
 
-    engine = engine_config(args)
-    if engine.threads is None and args.backend == "inprocess":  # a Ray worker takes its CPUs by itself
-        engine = replace(engine, threads=usable_cpus())
     try:
         config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
-                               session_timeout=args.session_timeout, engine=engine,
+                               session_timeout=args.session_timeout, engine=engine_config(args),
                                limits=request_limits(args), require_keys=args.require_keys,
                                key_limits=key_limits(args), **backend_config(args))
     except WhitneyError as e:
@@ -134,7 +125,8 @@ def serve_main(args) -> int:
     except RuntimeError as e:  # the port was taken while the models loaded
         print(f"whitney serve: {e}", file=sys.stderr)
         return 2
-    placed = sorted({f"{m.device}, {m.compute_dtype}, {m.compute_threads} compute thread"
+    up_to = "up to " if scheduler.backend.config.threads == "auto" else ""  # fewer while the CPU is busy
+    placed = sorted({f"{m.device}, {m.compute_dtype}, {up_to}{m.compute_threads} compute thread"
                      + ("s" if m.compute_threads != 1 else "") for m in scheduler.backend.models.values()})
     print(f"Whitney is serving {', '.join(config.models)} at {server.url} ({'; '.join(placed)})", flush=True)
     print(f"The web console is at {server.url}/console/"
@@ -180,6 +172,15 @@ def port_problem(host: str, port: int) -> str | None:
                 return "the port is in use (another server?); stop it or choose another --port"
             return (e.strerror or str(e)).lower()
     return None
+
+
+def _threads(text: str) -> int | str:
+    """"auto" or an integer >= 1 (argparse reports the rule on anything else)."""
+    if text == "auto":
+        return text
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def _port(text: str) -> int:
@@ -231,11 +232,11 @@ def add_engine_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--device", default=default.device, metavar="auto|cpu|cuda|cuda:N",
                        help="where base weights, adapters, optimizer state and caches live (auto: CUDA when "
                             "present, else the CPU)")
-    serve.add_argument("--threads", type=_count, default=default.threads, metavar="N",
+    serve.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
                        help="compute threads of each engine process (this one, or each Ray worker, sampler "
-                            "replica and sharded rank); waiting threads sleep rather than spin, so a busy machine "
-                            "does not stall training (default: the CPUs the process may use; a Ray worker's "
-                            "CPUs)")
+                            "replica and sharded rank); auto: the CPUs that other programs leave free, re-read "
+                            "before engine calls, at most the CPUs the process may use (a Ray worker: its CPUs), "
+                            "so a busy machine does not stall training")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=default.compute_dtype,
                        help="base weights and activations (LoRA weights, optimizer and losses stay float32); "
                             "auto: float32 on the CPU, bfloat16 on CUDA; bfloat16 is several times faster on "

@@ -173,18 +173,15 @@ def test_a_trainer_that_dies_while_idle_is_noticed_by_the_heartbeat(ray_cluster,
         backend.close()
 
 
-def _threads_and_wait_policy(actor) -> tuple[int, str | None]:
-    import os
-
+def _threads(actor) -> int:
     import ray
 
-    return ray.get(actor.__ray_call__.remote(
-        lambda worker: (__import__("torch").get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))))
+    return ray.get(actor.__ray_call__.remote(lambda worker: __import__("torch").get_num_threads()))
 
 
-def test_every_worker_process_takes_the_thread_setting_and_waits_asleep(ray_cluster, tiny_llama):
-    """--threads reaches every rank of a sharded trainer and every sampler replica; without it each worker uses
-    the CPUs Ray gave it; in both, OpenMP's waiting threads sleep (ENGINE_PROCESS_ENV) instead of spinning."""
+def test_every_worker_process_takes_the_thread_setting(ray_cluster, tiny_llama):
+    """--threads reaches every rank of a sharded trainer and every sampler replica; "auto" follows the load
+    with the worker's Ray CPUs as its ceiling; without a setting a worker uses as many threads as its CPUs."""
     from dataclasses import replace
 
     backend = RayBackend(replace(CONFIG, threads=1), [Placement(tiny_llama, "tiny", num_cpus=2, shards=2,
@@ -192,13 +189,18 @@ def test_every_worker_process_takes_the_thread_setting_and_waits_asleep(ray_clus
     try:
         actors = [actor for worker in backend._workers() for actor in worker.ranks]
         assert len(actors) == 3  # two ranks, one sampler replica
-        assert [_threads_and_wait_policy(a) for a in actors] == [(1, "PASSIVE")] * 3
+        assert [_threads(a) for a in actors] == [1] * 3
         assert backend.models["tiny"].compute_threads == 1
     finally:
         backend.close()
-    backend = RayBackend(CONFIG, [Placement(tiny_llama, "tiny", num_cpus=2, samplers=1, resources={"node_b": 1})])
-    try:
-        assert [_threads_and_wait_policy(a) for w in backend._workers() for a in w.ranks] == [(2, "PASSIVE")] * 2
-        assert backend.models["tiny"].compute_threads == 2
-    finally:
-        backend.close()
+    for setting in (None, "auto"):
+        backend = RayBackend(replace(CONFIG, threads=setting),
+                             [Placement(tiny_llama, "tiny", num_cpus=2, samplers=1, resources={"node_b": 1})])
+        try:
+            workers = [a for w in backend._workers() for a in w.ranks]
+            assert backend.models["tiny"].compute_threads == 2, setting  # the ceiling, as loaded
+            assert all(1 <= _threads(a) <= 2 for a in workers), setting  # "auto": fewer while the CPUs are busy
+            adaptive = [__import__("ray").get(a.__ray_call__.remote(lambda w: w.threads.adaptive)) for a in workers]
+            assert adaptive == [setting == "auto"] * 2
+        finally:
+            backend.close()

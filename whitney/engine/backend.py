@@ -43,6 +43,7 @@ the state died; anything else is a bug of the backend. `RayBackend` (ray_backend
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Protocol, runtime_checkable
 
@@ -50,14 +51,15 @@ import torch
 
 from whitney.engine import chat
 from whitney.engine.allocator import keep_freed_memory
-from whitney.protocol.config import EngineConfig, check_optional_count
 from whitney.engine.lora import LoraConfig, adaptable_short_names, lora_numel, validate_lora_config
 from whitney.engine.model import COMPUTE_DTYPES, BaseModel
 from whitney.engine.optim import AdamParams
 from whitney.engine.requests import ForwardRequest, ForwardResult
 from whitney.engine.runs import Engine
 from whitney.engine.sampler import SampleProgress, SampleRequest, SampleResult, SamplingParams
+from whitney.engine.threads import ComputeThreads
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
+from whitney.protocol.config import EngineConfig, check_threads, usable_cpus
 
 BYTES_PER_PARAMETER = 16  # a float32 LoRA weight, AdamW's two moments, and the gradient accumulator
 
@@ -77,7 +79,7 @@ class ModelInfo:
     linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # path -> (in, out[, E])
     weight_bytes: int = 0  # the frozen base's tensors held by the worker (its shard, when sharded)
     vision: bool = False  # takes image chunks (a vision-language checkpoint with its processor; engine/vision.py)
-    compute_threads: int = 1  # torch's intra-op threads in the process that trains it (EngineConfig.threads)
+    compute_threads: int = 1  # torch's threads in the process that trains it when idle (EngineConfig.threads)
 
     @classmethod
     def of(cls, base: BaseModel, name: str) -> "ModelInfo":
@@ -214,24 +216,27 @@ class InProcessBackend(chat.TextMethods):
     """The Backend over an `Engine` in this process (its numbers are the engine's, unchanged)."""
 
     engine: Engine
+    # This process's compute threads (engine/threads.py), adjusted before each engine call; None: left as they are.
+    threads: ComputeThreads | None = None
     _samples: dict[str, SampleRequest] = field(default_factory=dict)
     _info: dict[str, ModelInfo] = field(default_factory=dict)
     separate_sampling = False  # one engine, one thread: sampling steps interleave with training calls
 
     @classmethod
-    def start(cls, config: EngineConfig, models: list[str]) -> "InProcessBackend":
+    def start(cls, config: EngineConfig, models: list[str], threads: ComputeThreads | None = None
+              ) -> "InProcessBackend":
         """An engine with `config`, its base models loaded; the process's heap keeps freed memory for reuse
-        (allocator.py: no page faults on every call's large tensors)."""
+        (allocator.py: no page faults on every call's large tensors). Its compute threads: `threads`, else as
+        `config.threads` says, on the CPUs this process may use."""
         keep_freed_memory()
-        check_optional_count("threads", config.threads, "the process's own setting")
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        check_threads(config.threads)
+        threads = threads or ComputeThreads.of(config.threads, usable_cpus())
         engine = Engine(max_lora_rank=config.max_lora_rank, compute_dtype=config.compute_dtype,
                         max_sequences=config.max_sequences, max_cached_tokens=config.max_cached_tokens,
                         max_prefill_tokens=config.max_prefill_tokens, device=config.device,
                         page_idle_seconds=config.page_idle_seconds, max_resident_runs=config.max_resident_runs,
                         paging_dir=config.paging_dir, max_pass_mib=config.max_pass_mib)
-        backend = cls(engine)
+        backend = cls(engine, threads)
         for name in models:
             backend.load_model(name)
         return backend
@@ -244,7 +249,8 @@ class InProcessBackend(chat.TextMethods):
                             max_sequences=e.max_sequences, max_cached_tokens=e.max_cached_tokens,
                             max_prefill_tokens=e.max_prefill_tokens, page_idle_seconds=e.pager.idle_seconds,
                             max_resident_runs=e.pager.max_resident, paging_dir=str(e.pager.root),
-                            max_pass_mib=e.max_pass_mib, threads=torch.get_num_threads())
+                            max_pass_mib=e.max_pass_mib,
+                            threads=self.threads and ("auto" if self.threads.adaptive else self.threads.ceiling))
 
     def load_model(self, name: str, alias: str | None = None) -> ModelInfo:
         """Load a base model (once) and describe it; `alias` names the same model a second way."""
@@ -278,9 +284,22 @@ class InProcessBackend(chat.TextMethods):
     def delete_run(self, run_id: str) -> None:
         self.engine.delete_run(run_id)
 
+    @contextmanager
+    def _computing(self):
+        """Around an engine call: the compute threads follow the machine's load (engine/threads.py)."""
+        if self.threads is None:
+            yield
+            return
+        self.threads.before_call()
+        try:
+            yield
+        finally:
+            self.threads.after_call()
+
     def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | Failure]:
-        return [Failure.of(r) if isinstance(r, BaseException) else r
-                for r in self.engine.run_batch(requests, backward)]
+        with self._computing():
+            results = self.engine.run_batch(requests, backward)
+        return [Failure.of(r) if isinstance(r, BaseException) else r for r in results]
 
     def commit_gradients(self, run_id: str, stage: str) -> None:
         self.engine.commit_gradients(run_id, stage)
@@ -312,7 +331,8 @@ class InProcessBackend(chat.TextMethods):
         return version
 
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]:
-        return self.engine.compute_logprobs(sequences, **weights.as_kwargs())
+        with self._computing():
+            return self.engine.compute_logprobs(sequences, **weights.as_kwargs())
 
     def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> None:
@@ -327,7 +347,8 @@ class InProcessBackend(chat.TextMethods):
         if not self._samples:
             return []
         try:
-            self.engine.sample_step()
+            with self._computing():
+                self.engine.sample_step()
         except Exception as e:
             failed = [(request_id, Failure.of(e)) for request_id in self._samples]
             self._samples.clear()

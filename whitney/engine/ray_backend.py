@@ -38,7 +38,7 @@ from typing import Any
 from whitney.engine import chat
 from whitney.engine.backend import Failure, ModelInfo, Weights, WorkerLost, adapter_bytes, raise_failure
 from whitney.engine.checkpoint import read_manifest
-from whitney.protocol.config import EngineConfig, engine_process_env
+from whitney.protocol.config import EngineConfig
 from whitney.engine.lora import LoraConfig
 from whitney.engine.optim import AdamParams
 from whitney.engine.ray_worker import ModelWorker, Placement, Raised
@@ -105,8 +105,8 @@ class RayBackend(chat.TextMethods):
         self._tokenizers: dict[str, Any] = {}  # model -> its tokenizer, fetched once from its trainer
         self._tokenizer_lock = threading.Lock()
         actor = ray.remote(ModelWorker)
-        # Each worker process's environment, whoever started Ray: offline, and how its compute threads wait.
-        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **engine_process_env()}
+        # Each worker process's environment, whoever started Ray: offline.
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         try:
             for p in placements:
                 options = dict(num_cpus=p.num_cpus, num_gpus=p.num_gpus, resources=p.resources or None,

@@ -16,6 +16,7 @@ from typing import Any
 from whitney.engine.backend import Failure, InProcessBackend, ModelInfo
 from whitney.protocol.config import EngineConfig
 from whitney.engine.sampler import SampleProgress, SampleResult
+from whitney.engine.threads import ComputeThreads
 from whitney.errors import InvalidInput, WhitneyError
 
 
@@ -62,18 +63,18 @@ class ModelWorker:
 
     def __init__(self, config: EngineConfig, model: str, name: str, rank: int = 0, shards: int = 1):
         import ray
-        import torch
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        # --threads, else as many compute threads as the CPUs Ray gave this worker (its share of the node).
-        cpus = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
-        torch.set_num_threads(config.threads or max(1, cpus))
+        # Compute threads as --threads says, the CPUs Ray gave this worker (its share of the node) its ceiling;
+        # without a setting, as many as those CPUs.
+        cpus = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        self.threads = ComputeThreads.of(cpus if config.threads is None else config.threads, cpus)
         self.config, self.model, self.name, self.rank, self.shards = config, model, name, rank, shards
         self.backend: InProcessBackend | None = None
         self.info: ModelInfo | None = None
         self.error: Failure | None = None
         if shards == 1:
-            self._load(InProcessBackend.start(config, []))
+            self._load(InProcessBackend.start(config, [], self.threads))
 
     def _load(self, backend: InProcessBackend) -> None:
         self.backend = backend
@@ -109,7 +110,7 @@ class ModelWorker:
                                 world_size=self.shards, timeout=timedelta(seconds=120))
         engine_settings = asdict(self.config)
         del engine_settings["threads"]  # the process's, set in __init__
-        self._load(InProcessBackend(ShardedEngine(**engine_settings)))
+        self._load(InProcessBackend(ShardedEngine(**engine_settings), self.threads))
         return self.describe()
 
     def describe(self) -> tuple[ModelInfo | Raised | None, int, str]:

