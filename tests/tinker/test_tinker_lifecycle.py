@@ -199,6 +199,15 @@ def test_sessions_tags_project_display_name_and_search(keyed, tiny_llama, monkey
         assert newest[0] == session_id  # newest first, a page at a time
         assert keyed["rest"][K2].search_sessions(types.SessionSearchRequest(
             project_ids=["proj-c"])).result().sessions == []  # another key's sessions are not its to see
+    # A cursor is the server's own next_cursor: a time in another form is still read (UTC when it has no zone),
+    # one that is no time is a 400 naming the field, never a 500.
+    search = {"owner": {"type": "own"}, "limit": 1}
+    cursor = {"last_created_at": one.next_cursor.last_created_at.replace(tzinfo=None).isoformat(),
+              "last_session_id": one.next_cursor.last_session_id}
+    got = native.post("/api/v1/sessions/search", json={**search, "cursor": cursor})
+    assert got.status_code == 200 and [s["session_id"] for s in got.json()["sessions"]] == newest[1:2], got.text
+    bad = native.post("/api/v1/sessions/search", json={**search, "cursor": {**cursor, "last_created_at": "soon"}})
+    assert bad.status_code == 400 and "cursor.last_created_at must be an ISO 8601 time" in bad.text, bad.text
     client.close("success").result()
 
 

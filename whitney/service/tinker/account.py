@@ -100,7 +100,7 @@ def search_sessions(body: Search, request: Request, st: State, who: Owner) -> di
         found = []
     if body.cursor is not None:
         # compared as the datetimes the cursor was written from (microseconds), not as floats
-        after = (datetime.fromisoformat(body.cursor.last_created_at), body.cursor.last_session_id)
+        after = (cursor_time(body.cursor.last_created_at), body.cursor.last_session_id)
         found = [s for s in found if (datetime.fromtimestamp(s["created_at"], timezone.utc), s["id"]) < after]
     page = found[:body.limit]
     counts = projects.checkpoint_counts(st.store, [s["id"] for s in page])
@@ -112,6 +112,16 @@ def search_sessions(body: Search, request: Request, st: State, who: Owner) -> di
         "user_metadata": {k: str(v) for k, v in (s["user_metadata"] or {}).items()}} for s in page],
         "next_cursor": None if last is None else {"last_created_at": iso(last["created_at"]),
                                                   "last_session_id": last["id"]}}
+
+
+def cursor_time(text: str) -> datetime:
+    """A cursor's `last_created_at`: an ISO 8601 time (UTC when it names no zone); anything else is a 400."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput(f"cursor.last_created_at must be an ISO 8601 time, as next_cursor gives it, got {text!r}",
+                           field="cursor.last_created_at") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
 
 
 @router.get("/sessions/{session_id}/trace_export")

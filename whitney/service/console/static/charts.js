@@ -304,7 +304,7 @@ window.WhitneyCharts = (function () {
     if (hasTrain) sides.push(["train", "train", COLORS.train]);
     if (hasEval) sides.push(["eval", "forward", COLORS.eval]);
     if (sides.length) {
-      out.push({ id: "loss", title: "Loss per token", series: sides.map(([k, label, color]) => ({ label, color, values: rows.map((r) => perToken(r[k])) })) });
+      out.push({ id: "loss", title: "Loss per target position (summed loss / positions, weight 0 included)", series: sides.map(([k, label, color]) => ({ label, color, values: rows.map((r) => perToken(r[k])) })) });
     }
     if (hasOptim) {
       out.push({ id: "grad_norm", title: "Gradient norm (before clipping)", series: [{ label: "grad norm", color: COLORS.other, values: rows.map((r) => (r.optim ? r.optim.grad_norm : null)) }] });
