@@ -96,7 +96,7 @@ def peft_loop(model_dir: str, adapter_dir: str, dtype: str):
 
 
 def sample_whitney(engine, ids: list[list[int]], tokens: int, weights: dict) -> int:
-    from whitney.engine.sampler import SamplingParams
+    from whitney.protocol.sampling import SamplingParams
 
     requests = [engine.submit_sample(p, SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, stop=()), **weights)
                 for i, p in enumerate(ids)]

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import torch
 
 from whitney.engine import DEFAULT_MODEL, Engine
-from whitney.engine.sampler import SamplingParams
+from whitney.protocol.sampling import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colours.", "How do plants make food?",

@@ -17,7 +17,7 @@ import time
 
 from bench.common import engine_datums, median, sft_batch
 from whitney.engine import DEFAULT_MODEL, Engine, LoraConfig
-from whitney.engine.sampler import SamplingParams
+from whitney.protocol.sampling import SamplingParams
 
 
 def exponent(xs: list[float], ys: list[float]) -> float:

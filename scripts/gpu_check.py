@@ -76,7 +76,7 @@ def bench_sampling(engine, model: str, requests: int, prompt: int, max_tokens: i
     import torch
 
     from whitney.engine import LoraConfig
-    from whitney.engine.sampler import SamplingParams
+    from whitney.protocol.sampling import SamplingParams
 
     vocab = engine.models[model].config.vocab_size
     engine.create_run("s", model, LoraConfig(rank=32, seed=0))
@@ -109,7 +109,7 @@ def bench_runs(engine, model: str, runs: int, rows: int, length: int, rounds: in
     import torch
 
     from whitney.engine import Datum, ForwardRequest, LoraConfig
-    from whitney.engine.optim import AdamParams
+    from whitney.protocol.training import AdamParams
 
     vocab = engine.models[model].config.vocab_size
 

@@ -153,8 +153,8 @@ def check_type(model_type: str) -> dict:
     from whitney.engine.general import TESTED_TYPES
     from whitney.engine.lora import adaptable_short_names
     from whitney.engine.model import SUPPORTED_TYPES, load_base_model
-    from whitney.engine.sampler import SamplingParams
     from whitney.errors import InvalidInput, NotFound
+    from whitney.protocol.sampling import SamplingParams
 
     row = {"type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?")}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():

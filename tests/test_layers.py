@@ -29,6 +29,29 @@ def test_engine_imports_no_http_or_database():
                 f"{path.relative_to(PACKAGE.parent)} imports {name}: the engine must not know HTTP or the database"
 
 
+def test_the_control_plane_loads_no_torch_and_no_engine():
+    """In a fresh interpreter, the whole service (app, routes, store, scheduler, console, Tinker routes) and the
+    backend registry import without torch or any engine module: the engine loads only when a backend starts."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, whitney.service.app, whitney.backends, whitney.cli\n"
+             "print(sorted(m for m in sys.modules if m in ('torch', 'transformers', 'ray') "
+             "or m.startswith('whitney.engine')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing the control plane loaded {done.stdout.strip()}"
+
+
+def test_service_and_protocol_never_import_the_engine():
+    """Only a backend's plug-in module (whitney/backends/NAME.py) imports the engine; the registry does not."""
+    for path in [*sorted((PACKAGE / "service").rglob("*.py")), *sorted((PACKAGE / "protocol").rglob("*.py")),
+                 PACKAGE / "backends" / "__init__.py"]:
+        for name in imported_modules(path):
+            assert not (name == "whitney.engine" or name.startswith("whitney.engine.")), \
+                f"{path.relative_to(PACKAGE.parent)} imports {name}: only a backend's plug-in module may"
+
+
 def test_service_never_imports_torch():
     # (The client may: forward_backward_custom runs the user's torch loss on the client.)
     files = sorted((PACKAGE / "service").rglob("*.py"))

@@ -195,8 +195,9 @@ def register_main(model: str) -> int:
     from huggingface_hub import constants
 
     from whitney.engine import hub_cache
-    from whitney.engine.model import resolve_model_dir, shown_name
+    from whitney.engine.model import resolve_model_dir
     from whitney.errors import WhitneyError
+    from whitney.protocol.config import shown_name
 
     try:
         path = resolve_model_dir(model)
@@ -285,7 +286,9 @@ def _count(text: str) -> int:
 
 def add_backend_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("backend", "where the engine runs (docs/DEPLOY.md)")
-    group.add_argument("--backend", choices=["inprocess", "ray"], default="inprocess",
+    from whitney.backends import BACKENDS
+
+    group.add_argument("--backend", choices=sorted(BACKENDS), default="inprocess",
                        help="inprocess: this process (default); ray: one training worker per base model, and "
                             "--samplers replicas, as Ray actors on a cluster")
     group.add_argument("--ray-address", default=None, metavar="ADDR",
@@ -342,9 +345,8 @@ def add_request_limit_flags(serve: argparse.ArgumentParser) -> None:
 def request_limits(args):
     from dataclasses import fields
 
-    from whitney.service.limits import Limits
-
     from whitney.errors import InvalidInput
+    from whitney.service.limits import Limits
 
     for d in args.image_dirs:
         if not Path(d).is_dir():

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from whitney.engine import AdamParams, Datum, EngineConfig, ForwardRequest, InProcessBackend, LoraConfig, Weights
-from whitney.engine.backend import Failure
+from whitney.engine import AdamParams, Datum, ForwardRequest, InProcessBackend, LoraConfig, Weights
 from whitney.engine.ray_backend import Placement, RayBackend
-from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput, NotFound
+from whitney.protocol.backend import Failure
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SamplingParams
 
 CONFIG = EngineConfig(device="cpu", compute_dtype="float32")
 LORA = LoraConfig(rank=4, alpha=8.0, seed=5)

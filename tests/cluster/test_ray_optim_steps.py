@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from whitney.engine import AdamParams, ForwardRequest, InProcessBackend, LoraConfig
-from whitney.engine.backend import Failure
-from whitney.engine.ray_backend import Placement, RayBackend
 from tests.cluster.test_ray_backend import CONFIG, data
+from whitney.engine import AdamParams, ForwardRequest, InProcessBackend, LoraConfig
+from whitney.engine.ray_backend import Placement, RayBackend
+from whitney.protocol.backend import Failure
 
 
 def test_optim_steps_equal_in_process_and_fail_alone(ray_cluster, tiny_llama):

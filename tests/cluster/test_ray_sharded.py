@@ -13,9 +13,9 @@ import torch
 
 from tests.cluster.test_ray_backend import CONFIG, LORA, assert_results_equal, both, data
 from whitney.engine import AdamParams, ForwardRequest, InProcessBackend, LoraConfig, Weights
-from whitney.engine.backend import Failure
 from whitney.engine.ray_backend import Placement, RayBackend
 from whitney.errors import Unavailable
+from whitney.protocol.backend import Failure
 
 
 @pytest.fixture(scope="module")

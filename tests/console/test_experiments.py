@@ -9,8 +9,6 @@ with what the API reports for the same run.
 from __future__ import annotations
 
 import csv
-import io
-import math
 import re
 
 import httpx

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput
+from whitney.protocol.sampling import SamplingParams
 
 
 def _data(g: torch.Generator, rows: int = 3, n: int = 12) -> list[Datum]:

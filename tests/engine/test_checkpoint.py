@@ -174,7 +174,7 @@ def test_manifest_contents(engine, tiny_llama, tmp_path):
     assert manifest["has_optimizer"] is True
     assert manifest["optimizer_step"] == 2
     assert set(manifest["sha256"]) == {"adapter.safetensors", "optimizer.safetensors"}
-    assert manifest["sha256"]["adapter.safetensors"] == ckpt._sha256(path / "adapter.safetensors")
+    assert manifest["sha256"]["adapter.safetensors"] == ckpt.sha256(path / "adapter.safetensors")
     assert sorted(os.listdir(path)) == sorted([ckpt.MANIFEST, "adapter.safetensors", "optimizer.safetensors"])
 
     weights_only = engine.save_state(r, str(tmp_path / "w"), include_optimizer=False)

@@ -18,8 +18,8 @@ from tests.engine.test_opsd import rows_for_engine, to_datum
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine import model as model_module
 from whitney.engine.model import load_base_model, resolve_compute_dtype, resolve_device
-from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput
+from whitney.protocol.sampling import SamplingParams
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (make gpu-check)")
@@ -69,7 +69,8 @@ def test_cli_device_flag_reaches_the_engine_config():
 
 
 def test_model_info_reports_the_resolved_device(tiny_llama):
-    from whitney.engine import EngineConfig, InProcessBackend
+    from whitney.engine import InProcessBackend
+    from whitney.protocol.config import EngineConfig
 
     backend = InProcessBackend.start(EngineConfig(device="cpu"), [tiny_llama])
     info = backend.models[tiny_llama]
@@ -260,9 +261,10 @@ def test_cuda_forward_matches_hf(cuda_bases, tiny_model):
 @cuda
 @pytest.mark.cuda
 def test_cuda_defaults_to_bfloat16_without_cpu_tricks(tiny_llama, cpu_bases, tmp_path):
-    from whitney.engine import EngineConfig, InProcessBackend
+    from whitney.engine import InProcessBackend
     from whitney.engine.transformer import attention_dtype, prepacked
     from whitney.engine.unembedding import _packed_lm_head
+    from whitney.protocol.config import EngineConfig
 
     backend = InProcessBackend.start(EngineConfig(device="cuda"), [tiny_llama])
     info = backend.models[tiny_llama]

@@ -9,12 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_general_path import (
-    _data, _hf, _randomise_b, _rid, _sequences, peft_lora_grads,
-)
+from tests.engine.test_general_path import (_data, _hf, _randomise_b, _rid, _sequences, peft_lora_grads)
 from tests.models import make_tiny_general_model
 from whitney.engine import Engine, LoraConfig
-from whitney.engine.backend import BYTES_PER_PARAMETER, ModelInfo, adapter_bytes
+from whitney.engine.backend import BYTES_PER_PARAMETER, adapter_bytes, model_info
 from whitney.engine.general import forward_hidden
 from whitney.engine.lora import RowGroups
 from whitney.errors import InvalidInput
@@ -56,7 +54,7 @@ def _routing(model: torch.nn.Module, run) -> list[torch.Tensor]:
 def test_expert_projections_are_adaptable_by_name(engine, moe_dirs, kind):
     path = moe_dirs[kind]
     base = engine.load_model(path)
-    info = ModelInfo.of(base, path)
+    info = model_info(base, path)
     assert {"experts.gate_up_proj", "experts.down_proj"} <= set(info.adaptable_modules)  # capabilities list them
     run = engine.create_run(_rid("names"), path, EXPERTS_ONLY)
     assert list(run.adapter.A) == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)

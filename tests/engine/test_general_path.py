@@ -13,8 +13,8 @@ from tests.models import COMPOSITE_KINDS, GENERAL_KINDS, built_on_first_use, mak
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.lora import adaptable_short_names
 from whitney.engine.model import load_base_model
-from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput
+from whitney.protocol.sampling import SamplingParams
 
 ATOL = 1e-5
 LORA = LoraConfig(rank=4, alpha=8.0, seed=3)  # every attention and MLP linear, and lm_head
@@ -187,7 +187,7 @@ def test_lora_gradients_equal_float64_peft(engine, general_model, tmp_path):
 
 
 def test_mixed_batch_of_two_runs_equals_each_alone(engine, general_model):
-    from whitney.engine.requests import ForwardRequest
+    from whitney.protocol.training import ForwardRequest
 
     a, b = _rid("mix"), _rid("mix")
     engine.create_run(a, general_model, LORA)

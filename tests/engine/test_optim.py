@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.optim import AdamParams, OptimizerState, optim_step
+from whitney.engine.optim import OptimizerState, optim_step
 from whitney.errors import InvalidInput
+from whitney.protocol.training import AdamParams
 
 SHAPES = {"m.0.lora_A": (4, 8), "m.0.lora_B": (6, 4), "m.1.lora_A": (4, 5), "m.1.lora_B": (3, 4)}
 

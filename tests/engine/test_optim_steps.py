@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
-from whitney.engine import optim
-from whitney.engine.backend import Failure, InProcessBackend
+from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig, optim
+from whitney.engine.backend import InProcessBackend
 from whitney.engine.lora import Adapter, RowGroups, _delta
-from whitney.engine.optim import AdamParams, OptimizerState, optim_step, optim_steps
+from whitney.engine.optim import OptimizerState, optim_step, optim_steps
+from whitney.protocol.backend import Failure
+from whitney.protocol.training import AdamParams
 
 # Each run its own shapes and hyperparameters: clipping on and off, weight decay, LoRA+, gradient_scale.
 RUNS = [

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig
-from whitney.engine import page_file, paging
-from whitney.engine.backend import EngineConfig
-from whitney.engine.optim import AdamParams
+from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig, page_file, paging
 from whitney.engine.paging import PagedMoments, remove_leftovers
-from whitney.engine.sampler import SamplingParams
 from whitney.errors import Conflict, InvalidInput, NotFound
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SamplingParams
+from whitney.protocol.training import AdamParams
 
 LORA = LoraConfig(rank=4, alpha=8.0, seed=7)
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models import VOCAB
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.lora import RowGroups, init_adapter
 from whitney.engine.model import full_logprobs
-from whitney.engine.sampler import SamplingParams, validate
 from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, unembed
 from whitney.errors import InvalidInput, NotFound
-from tests.models import VOCAB
+from whitney.protocol.sampling import SamplingParams, validate
 
 EOS = 2
 LR = {"learning_rate": 1e-2}

@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.test_sampler import ref_logits
 from tests.models import make_tiny_general_model
 from whitney.engine import Engine
-from whitney.engine.backend import InProcessBackend, Weights
+from whitney.engine.backend import InProcessBackend
 from whitney.engine.hf_sampler import HFSampler
 from whitney.engine.model import full_logprobs
-from whitney.engine.sampler import SampleProgress, SampleResult, SamplingParams
-from tests.engine.test_sampler import ref_logits
+from whitney.protocol.backend import Weights
+from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 
 PROMPT = [1, 873, 2201, 5120, 40, 777]
 

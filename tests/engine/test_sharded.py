@@ -17,14 +17,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tests.models import VOCAB
 from whitney.engine import Datum, Engine, ForwardRequest, ForwardResult, LoraConfig
 from whitney.engine.lora import RowGroups
 from whitney.engine.model import load_base_model
-from whitney.engine.sampler import SamplingParams
 from whitney.engine.sharded import ShardedEngine, load_sharded_state, spawn_ranks
 from whitney.engine.transformer import forward_hidden
 from whitney.errors import Conflict, InvalidInput
-from tests.models import VOCAB
+from whitney.protocol.sampling import SamplingParams
 
 REL = 1e-5
 STEPS = 5

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from tests.models import make_tiny_general_model
 from whitney.engine import Engine
-from whitney.engine.sampler import SamplingParams
 from whitney.errors import InvalidInput
+from whitney.protocol.sampling import SamplingParams
 
 PROMPT = [1, 873, 2201, 5120, 40, 777, 15, 9000, 31]
 ATOL = 2e-5  # float32 engine against the float64 reference

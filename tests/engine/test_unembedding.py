@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from whitney.engine import unembedding
-from whitney.engine.lora import LoraConfig, init_adapter
+from whitney.engine.lora import init_adapter
 from whitney.engine.model import UNEMBED, load_base_model
+from whitney.protocol.training import LoraConfig
 
 
 @pytest.fixture(scope="module")

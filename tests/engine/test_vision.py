@@ -10,8 +10,8 @@ import torch
 from tests.images import draw_image
 from tests.models import VISION_KINDS, built_on_first_use, make_tiny_vision_model, unique_id
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.datum import ImageInput
 from whitney.engine.vision import expander
+from whitney.protocol.training import ImageInput
 
 ATOL = 1e-5
 LORA = LoraConfig(rank=4, alpha=8.0, seed=3)
@@ -86,9 +86,9 @@ def test_loads_the_vision_tower_frozen_and_adapts_the_language_model_only(engine
     assert not any("visual" in p or "vision" in p or "projector" in p or "merger" in p for p in base.linear_shapes)
     # the language model the vision module runs is the very decoder the general path runs (no weight twice)
     assert base.vision.model.language_model is base.hf.get_submodule(base.hf_decoder)
-    from whitney.engine.backend import ModelInfo
+    from whitney.engine.backend import model_info
 
-    assert ModelInfo.of(base, "m").vision
+    assert model_info(base, "m").vision
 
 
 def test_logprobs_with_images_equal_hf(engine, vision_model):
@@ -190,7 +190,7 @@ def test_lora_gradients_with_images_equal_float64_peft(engine, vision_model, tmp
 
 def test_mixed_batch_of_image_and_text_rows_and_two_runs_equals_each_alone(engine, vision_model):
     """Image rows, text rows and two runs in one batch: each request's log-probs and loss equal it run alone."""
-    from whitney.engine.requests import ForwardRequest
+    from whitney.protocol.training import ForwardRequest
 
     runs = [_rid("mix"), _rid("mix")]
     for i, r in enumerate(runs):
@@ -214,7 +214,7 @@ def test_mixed_batch_of_image_and_text_rows_and_two_runs_equals_each_alone(engin
 def test_sampler_logprobs_equal_compute_logprobs_for_image_prompts(engine, vision_model):
     """Sampling from a prompt with images: its prompt log-probs and every sampled token's log-prob equal
     compute_logprobs of the prompt and the sampled tokens (None at the image positions in both)."""
-    from whitney.engine.sampler import SamplingParams
+    from whitney.protocol.sampling import SamplingParams
 
     prompt = [_tokens(4, 3), _image(2), _tokens(3, 4)]
     result = engine.sample(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=(), num_samples=2,
@@ -243,7 +243,7 @@ def _hf_generate(engine: Engine, path: str, prompt: list, n: int) -> list[int]:
 def test_greedy_sampling_with_an_image_equals_hf_generate(engine, vision_model):
     """Greedy decoding from an image prompt (base weights) equals the HF model's own generate on the same processed
     inputs (its mrope deltas, Gemma 3's image block in the cache)."""
-    from whitney.engine.sampler import SamplingParams
+    from whitney.protocol.sampling import SamplingParams
 
     prompt = [_tokens(3, 8), _image(9), _tokens(2, 10)]
     ours = engine.sample(prompt, SamplingParams(max_tokens=8, temperature=0.0, stop=()), base_model=vision_model)
@@ -253,7 +253,7 @@ def test_greedy_sampling_with_an_image_equals_hf_generate(engine, vision_model):
 def test_image_and_text_prompts_decode_together_as_alone(engine, vision_model):
     """Prompts of different lengths, with and without images, of two sampler versions, decoding in one batch
     (left-padded, each Qwen row with its own mrope delta) choose the tokens and log-probs each chooses alone."""
-    from whitney.engine.sampler import SamplingParams
+    from whitney.protocol.sampling import SamplingParams
 
     run_id = _rid("smp")
     engine.create_run(run_id, vision_model, LORA)
@@ -297,7 +297,7 @@ def test_refusals_name_the_datum_chunk_and_counts(engine, vision_dirs, tiny_llam
                                         base_model=path), "datum 0: chunk 1", f"expected_tokens is {n + 1}", str(n))
     assert e.field == "model_input"
     ok = [_tokens(3, 1), ImageInput(draw_image(64, 96, 1), "png", expected_tokens=n)]
-    from whitney.engine.requests import ForwardRequest
+    from whitney.protocol.training import ForwardRequest
 
     request = ForwardRequest(None, [Datum(ok, {"target_tokens": [0] * (3 + n)})], base_model=path)
     assert engine.validate(request, backward=False) == 3 + n  # the expanded length
@@ -312,7 +312,7 @@ def test_refusals_name_the_datum_chunk_and_counts(engine, vision_dirs, tiny_llam
     e = _refused(lambda: engine.compute_logprobs([[_tokens(2, 1), _image(1)]], base_model=tiny_llama),
                  "takes no images")
     assert e.field == "model_input"
-    from whitney.engine.sampler import SamplingParams
+    from whitney.protocol.sampling import SamplingParams
 
     _refused(lambda: engine.sample([_tokens(2, 1), _image(1)], SamplingParams(max_tokens=2), base_model=tiny_llama),
              "takes no images")
@@ -333,9 +333,9 @@ def test_the_projector_is_not_adaptable(engine, vision_dirs):
 def test_gemma3_image_positions_are_its_processors(engine, vision_dirs):
     """Gemma 3's own processor (AutoProcessor, offline) puts as many <image_soft_token> between <start_of_image> and
     <end_of_image> as an image chunk occupies."""
-    from PIL import Image
     import io
 
+    from PIL import Image
     from transformers import AutoProcessor
 
     path = vision_dirs("gemma3")
@@ -350,7 +350,7 @@ def test_gemma3_image_positions_are_its_processors(engine, vision_dirs):
 
 def test_bfloat16_scores_and_samples_images_close_to_float32(vision_model):
     """In bfloat16 (vision tower and decoder) image log-probs stay within bfloat16's error of float32's."""
-    from whitney.engine.sampler import SamplingParams
+    from whitney.protocol.sampling import SamplingParams
 
     seq = _chunked(2)
     full = Engine(device="cpu", compute_dtype="float32").compute_logprobs([seq], base_model=vision_model)[0]
@@ -365,11 +365,11 @@ def test_bfloat16_scores_and_samples_images_close_to_float32(vision_model):
 def test_sampling_validate_counts_an_image_chunk_by_its_expected_tokens(engine, vision_dirs):
     """The service's check of a prompt with chunks (before the engine expands it): token chunks are checked as
     ids, an image counts its expected_tokens against the context."""
-    from whitney.engine.backend import ModelInfo
-    from whitney.engine.sampler import SamplingParams, validate
+    from whitney.engine.backend import model_info
     from whitney.errors import InvalidInput
+    from whitney.protocol.sampling import SamplingParams, validate
 
-    info = ModelInfo.of(engine.load_model(vision_dirs("gemma3")), "g")
+    info = model_info(engine.load_model(vision_dirs("gemma3")), "g")
     image = ImageInput(draw_image(8, 8, 0), "png", expected_tokens=400)
     validate([[1, 2], image], SamplingParams(max_tokens=100), info, 4)
     with pytest.raises(InvalidInput, match="exceeds the model's context of 512"):

@@ -9,9 +9,10 @@ import torch
 
 from tests.engine.test_vision import _chunked, _image, _tokens
 from tests.models import make_tiny_vision_model
-from whitney.engine import Datum, EngineConfig, ForwardRequest, InProcessBackend, Weights
-from whitney.engine.backend import Failure
-from whitney.engine.sampler import SamplingParams
+from whitney.engine import Datum, ForwardRequest, InProcessBackend, Weights
+from whitney.protocol.backend import Failure
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SamplingParams
 
 ray = pytest.importorskip("ray")
 CONFIG = EngineConfig(device="cpu", compute_dtype="float32")

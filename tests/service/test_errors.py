@@ -378,7 +378,7 @@ CASES = [
          "wait"),
     # -- sampling parameters the batch could not run (a failure there failed every sample in flight) -------
     Case("sample_top_k_above_vocab", "POST", SAMPLES, {"prompt": [1], "top_k": VOCAB + 1}, 400, "top_k"),
-    # -- tensor sizes: K of an [N, K] soft target is bounded (datum.MAX_K), so are the dimensions ----------
+    # -- tensor sizes: K of an [N, K] soft target is bounded (protocol.training.MAX_K), so are the dimensions ----------
     Case("soft_targets_k_above_max", "POST", FB, fb([ce(target_tokens=tensor([2] * 4 * 257, shape=[4, 257]))]), 400,
          "target_tokens", 0),
     Case("tensor_three_dims", "POST", FB, fb([ce(target_tokens=tensor(TARGETS, shape=[4, 1, 1]))]), 400,

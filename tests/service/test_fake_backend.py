@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from whitney.engine import AdamParams, Datum, DatumOutput, ForwardResult
-from whitney.engine.backend import Backend, EngineConfig, Failure, InProcessBackend, ModelInfo, Weights
-from whitney.engine.sampler import SampledSequence, SampleProgress, SampleResult, SamplingParams
+from whitney.engine.backend import InProcessBackend
 from whitney.errors import InvalidInput, NotFound
+from whitney.protocol.backend import Backend, Failure, ModelInfo, Weights
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleResult, SamplingParams
 from whitney.service.jobs import ForwardJob, OptimJob, SaveJob
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store, digest
@@ -43,6 +45,13 @@ class FakeBackend:
     @property
     def models(self) -> dict[str, ModelInfo]:
         return {"fake": ModelInfo("fake", "fake", 100, 64, ("q_proj",), "float32", "cpu", (2,))}
+
+    def losses(self) -> dict:
+        return {"cross_entropy": {"required_inputs": ["target_tokens"], "optional_inputs": ["weights"], "config": {},
+                                  "passes": [], "tinker_defaults": {}}}
+
+    def check_custom_loss(self, definition) -> None:
+        raise InvalidInput("the fake backend runs no custom losses", field="graph")
 
     def adapter_bytes(self, base_model, lora) -> int:
         return 16 * lora.rank

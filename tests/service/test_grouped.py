@@ -9,13 +9,13 @@ import time
 
 from sqlalchemy import event
 
+from tests.service.test_fake_backend import FakeBackend, fb, scheduler_over, wait
 from whitney.engine import AdamParams
+from whitney.protocol.backend import Weights
+from whitney.protocol.sampling import SamplingParams
 from whitney.service.jobs import OptimJob
 from whitney.service.lifecycle import OperationStatus
 from whitney.service.store import Store, digest
-from whitney.engine.sampler import SamplingParams
-from whitney.engine.backend import Weights
-from tests.service.test_fake_backend import FakeBackend, fb, scheduler_over, wait
 
 
 def _ops(store: Store, n: int) -> list[dict]:

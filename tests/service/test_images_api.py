@@ -17,8 +17,8 @@ from PIL import Image
 from tests.images import draw_image
 from tests.models import make_tiny_vision_model
 from tests.service.conftest import start_server
-from whitney.engine.datum import ImageInput
 from whitney.engine.vision import expander
+from whitney.protocol.training import ImageInput
 from whitney.service.app import ServiceConfig
 from whitney.service.limits import Limits
 from whitney.service.projects import owner_operations

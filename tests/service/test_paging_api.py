@@ -12,7 +12,7 @@ from tests.service.test_flow import LORA, expect, sft_batch, until
 from tests.service.test_metrics import scrape, value
 from whitney import Client
 from whitney.cli import add_engine_flags, engine_config
-from whitney.engine.backend import EngineConfig
+from whitney.protocol.config import EngineConfig
 
 IDLE = 0.5  # seconds untouched before a run is paged out
 

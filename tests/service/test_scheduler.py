@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
+from tests.models import VOCAB
 from whitney.engine import AdamParams, Datum, Engine, LoraConfig
-from whitney.engine.backend import InProcessBackend, Weights
-from whitney.service.limits import plan_micro_batches
+from whitney.engine.backend import InProcessBackend
+from whitney.protocol.backend import Weights
 from whitney.service.jobs import ForwardJob, OptimJob
+from whitney.service.limits import plan_micro_batches
 from whitney.service.scheduler import Scheduler
 from whitney.service.store import Store, digest
-from tests.models import VOCAB
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 

@@ -53,7 +53,7 @@ def test_the_quickstart_runs_on_a_served_tiny_model(tinker_server, tmp_path):
 @pytest.mark.slow
 def test_the_quickstart_runs_against_whitney_serve_on_the_embedded_model(tmp_path):
     from bench.common import start_server
-    from whitney.engine.model import DEFAULT_MODEL
+    from whitney.protocol.config import DEFAULT_MODEL
 
     with start_server() as server:  # `whitney serve` with its default model, in its own process
         got = run_quickstart(server.url, tmp_path)

@@ -18,8 +18,8 @@ from tests.models import make_tiny_vision_model
 from tests.service.conftest import start_server
 from tests.service.test_images_api import png_header_only
 from tests.tinker.helpers import close
-from whitney.engine.datum import ImageInput
 from whitney.engine.vision import expander
+from whitney.protocol.training import ImageInput
 from whitney.service.app import ServiceConfig
 from whitney.service.limits import Limits
 

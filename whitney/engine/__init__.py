@@ -1,8 +1,8 @@
 """Whitney's engine: tensors only (torch + transformers), no HTTP, no database.
 
-Public API:
-  Backend                the interface the service drives (backend.py): plain data in and out;
-                         InProcessBackend over an Engine; EngineConfig, ModelInfo, Weights, Failure
+Public API (with the plain data of whitney/protocol that its calls take and return):
+  InProcessBackend       the Backend (protocol/backend.py) over an Engine in this process; Backend,
+                         EngineConfig, ModelInfo, Weights, Failure
   Engine                 base models and runs; forward, forward_backward, run_batch, optim_step,
                          compute_logprobs, save_weights_for_sampler, save_state, load_state,
                          export_lora, save_weights
@@ -19,15 +19,14 @@ K soft-target candidates per position, M teacher-stream tokens (opsd), D hidden 
 r LoRA rank. Losses are summed over tokens, never averaged (opsd: summed over rows of per-row means).
 """
 
-from whitney.engine.backend import Backend, EngineConfig, Failure, InProcessBackend, ModelInfo, Weights
-from whitney.engine.datum import Datum, TensorInput
-from whitney.engine.lora import LoraConfig
+from whitney.engine.backend import InProcessBackend
 from whitney.engine.losses import LOSS_NAMES
 from whitney.engine.losses import describe as describe_losses
-from whitney.engine.model import DEFAULT_MODEL
-from whitney.engine.optim import AdamParams
-from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, merge_results
 from whitney.engine.runs import Engine
+from whitney.protocol.backend import Backend, Failure, ModelInfo, Weights
+from whitney.protocol.config import DEFAULT_MODEL, EngineConfig
+from whitney.protocol.training import (AdamParams, Datum, DatumOutput, ForwardRequest, ForwardResult, LoraConfig,
+                                       TensorInput, merge_results)
 
 __all__ = ["AdamParams", "Backend", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "EngineConfig", "Failure",
            "ForwardRequest", "ForwardResult", "InProcessBackend", "LOSS_NAMES", "LoraConfig", "ModelInfo",

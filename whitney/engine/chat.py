@@ -13,20 +13,10 @@ is refused with a message saying so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from whitney.errors import InvalidInput
+from whitney.protocol.backend import ChatTokens
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True)
-class ChatTokens:
-    """A rendered conversation: its token ids [N] and, when asked for, 1 on each assistant message's tokens
-    (end-of-turn tokens included) and 0 elsewhere [N]."""
-
-    tokens: list[int]
-    assistant_mask: list[int] | None = None
 
 
 def check_messages(messages: list[dict]) -> None:

@@ -12,73 +12,30 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from whitney.engine.lora import Adapter, LoraConfig, load_adapter_weights
-from whitney.engine.model import UNEMBED, BaseModel, shown_name
+from whitney.engine.lora import Adapter, load_adapter_weights
+from whitney.engine.model import UNEMBED, BaseModel
 from whitney.engine.optim import OptimizerState
-from whitney.errors import Conflict, InvalidInput, NotFound
+from whitney.errors import InvalidInput, NotFound
+from whitney.protocol.config import shown_name
+from whitney.protocol.files import atomic_dir
+from whitney.protocol.training import LoraConfig
 
 FORMAT_VERSION = 1
 MANIFEST = "whitney_state.json"
 SHARDED_FORMAT = "sharded-1"  # a checkpoint written by N ranks (engine/sharded.py), same manifest name
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def atomic_dir(path: str | Path):
-    """Yield a temporary directory beside `path`; on success fsync it and rename it to `path`."""
-    target = Path(path)
-    if target.exists():
-        raise Conflict(f"{target} already exists", field="path")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                _fsync(f)
-        _fsync(tmp)
-        os.rename(tmp, target)
-        _fsync(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def remove_leftovers(directory: str | Path) -> list[Path]:
-    """Delete the temporary directories (`.{name}.tmp-*`) that `atomic_dir` left in `directory` when the
-    process died mid-write; return them. Call it at startup, before anything writes there: a finished
-    checkpoint never has that name, so only half-written ones are removed."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    leftovers = [p for p in directory.glob(".*.tmp-*") if p.is_dir() and not p.is_symlink()]
-    for p in leftovers:
-        shutil.rmtree(p, ignore_errors=True)
-    return leftovers
 
 
 def save_state(path: str | Path, adapter: Adapter, optimizer: OptimizerState | None, base_model: str) -> dict:
@@ -98,7 +55,7 @@ def save_state(path: str | Path, adapter: Adapter, optimizer: OptimizerState | N
             "lora": adapter.config.to_dict(),
             "has_optimizer": optimizer is not None,
             "optimizer_step": optimizer.step if optimizer is not None else None,
-            "sha256": {f: _sha256(tmp / f) for f in files},
+            "sha256": {f: sha256(tmp / f) for f in files},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
@@ -127,7 +84,7 @@ def is_sharded(path: str | Path) -> bool:
 
 def _verified(path: Path, name: str, manifest: dict) -> dict[str, torch.Tensor]:
     file = path / name
-    if _sha256(file) != manifest["sha256"][name]:
+    if sha256(file) != manifest["sha256"][name]:
         raise InvalidInput(f"checkpoint file {file} fails its checksum: the checkpoint is corrupt", field="path")
     return load_file(file, device="cpu")
 

@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from whitney.engine.loss_table import METRIC_REDUCTIONS
 from whitney.errors import InvalidInput
+from whitney.protocol.training import METRIC_REDUCTIONS
 
 MAX_NODES = 256
 MAX_INPUTS = 16  # logprobs included (the SDK's bound)

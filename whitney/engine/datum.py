@@ -17,42 +17,12 @@ from typing import Any
 import torch
 
 from whitney.errors import InvalidInput
+from whitney.protocol.training import MAX_DIMS, MAX_K, Datum, ImageInput, TensorInput
 
 INT_DTYPES = ("int64", "int32")
 FLOAT_DTYPES = ("float32", "float64")
 # Tinker's name for the sampler's log-probs.
 ALIASES = {"logprobs": "old_logprobs"}
-# Soft targets: an [N, K] input has 1 <= K <= MAX_K candidates per position, so no tensor of a datum
-# holds more than N * MAX_K values (a sparse tensor on the Tinker wire is made dense within that bound).
-MAX_K = 256
-MAX_DIMS = 2  # every loss input is [N], [N, K] or [M]
-
-
-@dataclass
-class TensorInput:
-    """A dense tensor on the wire: dtype, shape and the values flattened in row-major order."""
-
-    dtype: str
-    shape: list[int]
-    values: list
-
-
-@dataclass
-class ImageInput:
-    """One image of a model input, as the service hands it to the engine: the encoded bytes (PNG or JPEG,
-    already read from the request or from an allowed server-local path) and the number of positions the
-    client expects it to take once the model's processor expands it (None: not checked)."""
-
-    data: bytes
-    format: str  # "png" | "jpeg"
-    expected_tokens: int | None = None
-
-
-@dataclass
-class Datum:
-    # Flat token ids, or chunks concatenated in order: token chunks (lists of ids) and images.
-    token_ids: list[int] | list[list[int] | ImageInput]
-    loss_inputs: dict[str, TensorInput | list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ import torch
 
 from whitney.engine.experts import adapted_experts, expert_projections
 from whitney.engine.lora import RowGroups
-from whitney.engine.model import UNEMBED, BaseModel, ModelConfig, shown_name
+from whitney.engine.model import UNEMBED, BaseModel, ModelConfig
 from whitney.errors import InvalidInput
+from whitney.protocol.config import shown_name
 
 # Families whose general path is tested against Hugging Face and PEFT (tests/engine/test_general_path.py,
 # test_general_moe.py), then the multimodal checkpoints served as their text model there.

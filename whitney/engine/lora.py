@@ -11,44 +11,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from whitney.engine.model import (
-    ATTN_PROJECTIONS, MLP_PROJECTIONS, LAYER_PROJECTIONS, UNEMBED, BaseModel, module_path,
-)
-from whitney.protocol.config import EngineConfig
+from whitney.engine.model import (ATTN_PROJECTIONS, LAYER_PROJECTIONS, MLP_PROJECTIONS, UNEMBED, BaseModel, module_path)
 from whitney.errors import InvalidInput, check
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.training import LoraConfig
 
 DEFAULT_MAX_RANK = EngineConfig.max_lora_rank
 FLOAT32_DELTA_ROWS = 64  # LoRA deltas of at most this many rows are computed in float32 (see _delta)
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """What a run adapts and how. `target_modules`, when given, replaces the train_* flags."""
-
-    rank: int = 32
-    alpha: float = 32.0
-    seed: int = 0
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-    target_modules: tuple[str, ...] | None = None
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["target_modules"] = list(self.target_modules) if self.target_modules is not None else None
-        return out
-
-    @staticmethod
-    def from_dict(d: dict) -> "LoraConfig":
-        d = dict(d)
-        if d.get("target_modules") is not None:
-            d["target_modules"] = tuple(d["target_modules"])
-        return LoraConfig(**d)
 
 
 @dataclass

@@ -40,22 +40,7 @@ import torch
 from whitney.engine.datum import FieldSpec, PreparedDatum
 from whitney.errors import InvalidInput, check
 
-
 SCALAR = "datum"  # FieldSpec.rows of an input holding one value per datum
-
-
-# Every metric a loss reports is named "<name>:<reduction>", the form in which the Tinker SDK combines the
-# results of one call's chunks (tinker/lib/chunked_fwdbwd_helpers.py splits each name at its one ":"):
-# "sum" adds up over datums, micro-batches and chunks; "mean" is an average, merged here by what it averages
-# over (`LossOutput.mean_counts`, else tokens: requests.merge_results) and by the SDK by datums per chunk.
-METRIC_REDUCTIONS = ("sum", "mean")
-
-
-def metric_reduction(name: str) -> str:
-    """A metric's reduction, the part of its name after its one ':'; any other name is a bug of its loss."""
-    base, _, how = name.partition(":")
-    assert base and how in METRIC_REDUCTIONS, f"metric {name!r} is not named <name>:sum or <name>:mean"
-    return how
 
 
 @dataclass
@@ -65,7 +50,7 @@ class LossOutput:
     logprobs: torch.Tensor  # [N] per-position log-prob returned to the caller (detached)
     metrics: dict[str, float]
     # What each averaged metric is a mean over (default: the request's tokens), so the metrics of a
-    # request's micro-batches merge into exactly the metrics of the whole (`requests.merge_results`).
+    # request's micro-batches merge into exactly the metrics of the whole (`protocol.training.merge_results`).
     mean_counts: dict[str, float] = field(default_factory=dict)
 
 

@@ -19,8 +19,9 @@ import torch
 
 from whitney.engine import custom_loss, opsd
 from whitney.engine.datum import FieldSpec, PreparedDatum
-from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec, Param, lookup, metric_reduction
+from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec, Param, lookup
 from whitney.errors import InvalidInput, check
+from whitney.protocol.training import metric_reduction
 
 
 def _metrics(loss: torch.Tensor, n: int, **extra: float) -> dict[str, float]:
@@ -261,3 +262,14 @@ def loss_spec(name: str) -> LossSpec:
 def describe() -> dict[str, dict]:
     """Every loss's public description as plain data (see LossSpec.describe)."""
     return {name: spec.describe() for name, spec in LOSSES.items()}
+
+
+class LossMethods:
+    """The Backend's loss calls, the same for every backend: the loss table as plain data, and a custom loss
+    graph checked against the allow-lists (custom_loss.compile_loss; InvalidInput naming the node)."""
+
+    def losses(self) -> dict[str, dict]:
+        return describe()
+
+    def check_custom_loss(self, definition: dict) -> None:
+        custom_loss.compile_loss(definition)

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from whitney.engine import hub_cache
-from whitney.errors import NotFound, InvalidInput
-from whitney.protocol.config import DEFAULT_MODEL
+from whitney.errors import InvalidInput, NotFound
+from whitney.protocol.config import DEFAULT_MODEL, shown_name
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # the hand-written fast path (transformer.py); see general.py
 # Adaptable projections of one decoder layer, by the Hugging Face module path inside the layer.
@@ -171,13 +171,6 @@ class BaseModel:
     def device(self) -> torch.device:
         """Where every tensor of this model lives (and where its runs' adapters and caches are made)."""
         return self.embed.device
-
-
-def shown_name(name: str) -> str:
-    """The name a base model is shown under: a local directory's own name (never a server path), else the
-    name as given (an embedded model's or a Hugging Face repo id)."""
-    path = Path(name).expanduser()
-    return path.resolve().name if path.is_dir() else name
 
 
 def module_path(layer: int, projection: str) -> str:

@@ -9,50 +9,11 @@ against torch.optim.AdamW.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from whitney.errors import InvalidInput, check
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """Hyperparameters of one optim_step. Defaults are Tinker's."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    gradient_clip_norm: float = 0.0  # global L2 norm over the run's weights; 0 = off
-    lora_plus_ratio: float = 1.0  # B matrices use learning_rate * lora_plus_ratio
-    gradient_scale: float = 1.0  # multiplies the accumulated gradient once, before clipping
-
-    @staticmethod
-    def from_dict(d: dict) -> "AdamParams":
-        names = {f.name for f in fields(AdamParams)}
-        for key in d:
-            if key not in names:
-                raise InvalidInput(f"unknown optimizer parameter {key!r}; known: {sorted(names)}", field=key)
-        params = AdamParams(**d)
-        params.validate()
-        return params
-
-    def validate(self) -> None:
-        def num(name: str, ok, rule: str) -> None:
-            v = getattr(self, name)
-            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v),
-                  f"{name} must be {rule}, got {v!r}", field=name)
-
-        num("learning_rate", lambda v: v > 0, "positive and finite")
-        num("beta1", lambda v: 0 <= v < 1, "in [0, 1)")
-        num("beta2", lambda v: 0 <= v < 1, "in [0, 1)")
-        num("eps", lambda v: v > 0, "positive")
-        num("weight_decay", lambda v: v >= 0, "non-negative")
-        num("gradient_clip_norm", lambda v: v >= 0, "non-negative (0 = off)")
-        num("lora_plus_ratio", lambda v: v > 0, "positive")
-        num("gradient_scale", lambda v: v > 0, "positive and finite")
+from whitney.protocol.training import AdamParams
 
 
 @dataclass

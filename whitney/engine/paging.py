@@ -54,12 +54,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from whitney.protocol.config import check_optional_count
-from whitney.engine.lora import Adapter, LoraConfig
+from whitney.engine.lora import Adapter
 from whitney.engine.optim import OptimizerState
 from whitney.engine.page_file import Layout, read_file, write_file
 from whitney.engine.sampler import SampleRequest
 from whitney.errors import InvalidInput
+from whitney.protocol.config import check_optional_count
+from whitney.protocol.training import LoraConfig
 
 if TYPE_CHECKING:
     from whitney.engine.run import Run

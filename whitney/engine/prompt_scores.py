@@ -16,26 +16,6 @@ from __future__ import annotations
 import torch
 
 from whitney.engine.model import full_logprobs
-from whitney.errors import check
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def validate_targets(targets, prompt_len: int, vocab: int, max_width: int) -> None:
-    """target_prompt_logprobs: exactly P-1 rows of one width K from 1 to `max_width` (the prompt top-k bound,
-    so the cost stays P x K), ids -1 or in [0, V), at least one id."""
-    field = "target_prompt_logprobs"
-    check(isinstance(targets, (list, tuple)) and len(targets) == prompt_len - 1 and
-          all(isinstance(r, (list, tuple)) for r in targets),
-          f"{field} must have len(prompt) - 1 = {prompt_len - 1} rows", field=field)
-    width = len(targets[0]) if targets else 0
-    check(1 <= width <= max_width and all(len(r) == width for r in targets),
-          f"{field} rows must all have one width from 1 to {max_width}", field=field)
-    check(all(_int(t) and -1 <= t < vocab for r in targets for t in r),
-          f"{field} ids must be integers in [0, {vocab}) or -1 (nothing asked)", field=field)
-    check(any(t >= 0 for r in targets for t in r), f"{field} must name at least one token id", field=field)
 
 
 def score_prompt(prompt: list[int], params, logits: torch.Tensor) -> tuple[list | None, list | None, list | None]:

@@ -36,15 +36,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from whitney.engine import chat
-from whitney.engine.backend import Failure, ModelInfo, Weights, WorkerLost, adapter_bytes, raise_failure
+from whitney.engine.backend import adapter_bytes
 from whitney.engine.checkpoint import read_manifest
-from whitney.protocol.config import EngineConfig
-from whitney.engine.lora import LoraConfig
-from whitney.engine.optim import AdamParams
+from whitney.engine.losses import LossMethods
 from whitney.engine.ray_worker import ModelWorker, Placement, Raised
-from whitney.engine.requests import ForwardRequest, ForwardResult, check_request
-from whitney.engine.sampler import SampleProgress, SampleResult, SamplingParams
+from whitney.engine.requests import check_request
 from whitney.errors import InvalidInput, NotFound, Unavailable, WhitneyError
+from whitney.protocol.backend import Failure, ModelInfo, Weights, WorkerLost, raise_failure
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
+from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, LoraConfig
 
 HEARTBEAT_SECONDS = 2.0  # how often an idle worker is asked whether it is the same process
 SAMPLER_STEP_SECONDS = 0.05  # a replica decodes for this long per call (one step: the trainer, which trains too)
@@ -75,7 +76,7 @@ class _Worker:
         return f"the {self.role} worker of {self.model!r} (pid {self.pid}{ranks})"
 
 
-class RayBackend(chat.TextMethods):
+class RayBackend(chat.TextMethods, LossMethods):
     """The Backend over Ray actors (see the module docstring). Thread-safe between the scheduler's
     training thread and its sampling thread (`separate_sampling`)."""
 

@@ -13,11 +13,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from whitney.engine.backend import Failure, InProcessBackend, ModelInfo
-from whitney.protocol.config import EngineConfig
-from whitney.engine.sampler import SampleProgress, SampleResult
+from whitney.engine.backend import InProcessBackend
 from whitney.engine.threads import ComputeThreads
 from whitney.errors import InvalidInput, WhitneyError
+from whitney.protocol.backend import Failure, ModelInfo
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SampleProgress, SampleResult
 
 
 @dataclass(frozen=True)

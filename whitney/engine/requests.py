@@ -9,68 +9,16 @@ Shape legend: N tokens of a datum, K soft targets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from whitney.engine.datum import Datum, ImageInput, PreparedDatum, prepare_datum, to_tensor
-from whitney.engine.loss_table import SCALAR, LossSpec, metric_reduction
+from whitney.engine.datum import PreparedDatum, prepare_datum, to_tensor
+from whitney.engine.loss_table import SCALAR, LossSpec
 from whitney.engine.losses import loss_spec
 from whitney.errors import InvalidInput
-
-
-@dataclass
-class ForwardRequest:
-    """One forward or forward_backward call: a run's datums and its loss. run_id None = the base model."""
-
-    run_id: str | None
-    data: list[Datum]
-    loss_fn: str = "cross_entropy"
-    loss_config: dict = field(default_factory=dict)
-    base_model: str | None = None  # only when run_id is None
-    # forward_backward of one micro-batch of a larger operation: its gradient is added to the run's
-    # staging area of this name, not to the accumulator (see Engine.commit_gradients).
-    stage: str | None = None
-
-
-@dataclass
-class DatumOutput:
-    logprobs: list[float]  # [N] learner log-prob per position (soft targets: weight-normalised mean)
-    elementwise_loss: list[float]  # [N] per-position contribution to the loss
-
-
-@dataclass
-class ForwardResult:
-    loss: float  # summed over tokens (opsd: summed over rows)
-    metrics: dict[str, float]
-    outputs: list[DatumOutput]
-    mean_counts: dict[str, float] = field(default_factory=dict)  # see LossOutput.mean_counts
-
-
-def merge_results(parts: list[ForwardResult]) -> ForwardResult:
-    """The result of one request from the results of its micro-batches (consecutive datums, in order).
-
-    Losses and `<name>:sum` metrics add up; a `<name>:mean` metric is weighted by what it averages over
-    (its `mean_counts`, else the micro-batch's tokens), so the merge equals one pass. The reduction is the
-    one a metric's name gives it (loss_table.metric_reduction).
-    """
-    if len(parts) == 1:
-        return parts[0]
-    metrics: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for part in parts:
-        tokens = part.metrics.get("tokens:sum", float(sum(len(o.logprobs) for o in part.outputs)))
-        for name, value in part.metrics.items():
-            if metric_reduction(name) == "sum":
-                metrics[name] = metrics.get(name, 0.0) + value
-                continue
-            weight = part.mean_counts.get(name, tokens)
-            metrics[name] = metrics.get(name, 0.0) + value * weight
-            counts[name] = counts.get(name, 0.0) + weight
-    for name, weight in counts.items():
-        metrics[name] = metrics[name] / weight if weight else 0.0
-    return ForwardResult(sum(p.loss for p in parts), metrics, [o for p in parts for o in p.outputs], counts)
+from whitney.protocol.training import Datum, ForwardRequest, ImageInput
 
 
 @dataclass

@@ -17,24 +17,25 @@ import torch
 
 from whitney.engine import checkpoint as ckpt
 from whitney.engine import vision
-from whitney.engine.datum import Datum, PreparedDatum, prepare_datum
-from whitney.protocol.config import EngineConfig, check_optional_count
+from whitney.engine.datum import PreparedDatum, prepare_datum
 from whitney.engine.hf_sampler import HFSampler
-from whitney.engine.lora import Adapter, LoraConfig, RowGroups, copy_adapter, init_adapter
+from whitney.engine.lora import Adapter, RowGroups, copy_adapter, init_adapter
 from whitney.engine.loss_table import SCALAR, LossOutput, LossSpec
 from whitney.engine.losses import LOSSES
-from whitney.engine.model import (
-    COMPUTE_DTYPES, DEFAULT_MODEL, BaseModel, full_logprobs, load_base_model, resolve_compute_dtype, resolve_device,
-)
-from whitney.engine.optim import AdamParams, OptimizerState, optim_step, optim_steps
+from whitney.engine.model import (COMPUTE_DTYPES, BaseModel, full_logprobs, load_base_model, resolve_compute_dtype,
+                                  resolve_device)
+from whitney.engine.optim import OptimizerState, optim_step, optim_steps
 from whitney.engine.paging import Pager, release_memory
 from whitney.engine.passes import activation_bytes_per_token, default_pass_mib, plan_passes
+from whitney.engine.requests import check_request
 from whitney.engine.run import Run
-from whitney.engine.requests import DatumOutput, ForwardRequest, ForwardResult, check_request
-from whitney.engine.sampler import SampleRequest, SampleResult, Sampler, SamplingParams
+from whitney.engine.sampler import Sampler, SampleRequest
 from whitney.engine.transformer import forward_hidden, unembed
 from whitney.engine.unembedding import target_logprobs
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
+from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, check_optional_count
+from whitney.protocol.sampling import SampleResult, SamplingParams
+from whitney.protocol.training import AdamParams, Datum, DatumOutput, ForwardRequest, ForwardResult, LoraConfig
 
 
 @dataclass

@@ -33,48 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from whitney.engine import vision
-from whitney.protocol.config import EngineConfig
 from whitney.engine.lora import Adapter, RowGroups
 from whitney.engine.model import BaseModel, full_logprobs
 from whitney.engine.prompt_scores import score_prompt
-from whitney.engine.sampling_params import (  # noqa: F401 (re-exported: the engine's sampling API)
-    MAX_TOP_LOGPROBS, MAX_TOPK_PROMPT_LOGPROBS, SamplingParams, validate,
-)
 from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, unembed
 from whitney.errors import check
-
-
-@dataclass
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]  # [len(tokens)] log-prob of each generated token at temperature 1
-    stop_reason: str  # "stop" | "length"
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # [len(tokens)] of k (token, logprob), if asked
-
-
-@dataclass
-class SampleProgress:
-    """A streaming request's tokens chosen since its last report, per sample ([num_samples] lists, some
-    maybe empty), with their log-probs and (if asked) their top alternatives."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
-
-    def extend(self, later: "SampleProgress") -> None:
-        """Append a later report of the same request to this one."""
-        for mine, theirs in ((self.tokens, later.tokens), (self.logprobs, later.logprobs),
-                             (self.top_logprobs, later.top_logprobs)):
-            for a, b in zip(mine or (), theirs or ()):
-                a.extend(b)
-
-
-@dataclass
-class SampleResult:
-    sequences: list[SampledSequence]
-    prompt_logprobs: list[float | None] | None = None  # [P], first None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # [P] of k (token, logprob)
-    target_prompt_logprobs: list[list[float | None]] | None = None  # [P-1, K], None where the id was -1
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleResult, SamplingParams, validate
 
 
 @dataclass

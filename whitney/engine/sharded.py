@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import pickle
 import queue
 import shutil
 import socket
-import tempfile
 import time
 import traceback
 import warnings
@@ -60,13 +58,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from whitney.engine import checkpoint as ckpt
-from whitney.engine.lora import LoraConfig, load_adapter_weights
-from whitney.engine.model import DEFAULT_MODEL, BaseModel, LayerWeights, load_base_model
-from whitney.engine.optim import AdamParams, OptimizerState
+from whitney.engine.lora import load_adapter_weights
+from whitney.engine.model import BaseModel, LayerWeights, load_base_model
+from whitney.engine.optim import OptimizerState
 from whitney.engine.run import Run
 from whitney.engine.runs import Engine
 from whitney.errors import Conflict, InvalidInput, NotFound
-from whitney.protocol.config import usable_cpus
+from whitney.protocol.config import DEFAULT_MODEL, usable_cpus
+from whitney.protocol.files import publish, temp_beside
+from whitney.protocol.training import AdamParams, LoraConfig
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -226,26 +226,12 @@ def _manifest(path: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
-def _make_tmp(target: Path) -> str:
-    """A temporary directory beside `target`, named as ckpt.atomic_dir names its own (removed at startup
-    by ckpt.remove_leftovers if a rank dies mid-write)."""
-    if target.exists():
-        raise Conflict(f"{target} already exists", field="path")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent)
-
-
 def _publish(tmp: Path, target: Path, manifest: dict) -> dict:
-    """Rank 0: checksum every file the ranks wrote, add the manifest, fsync, rename into place."""
+    """Rank 0: checksum every file the ranks wrote, add the manifest, publish the directory as `target`."""
     files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-    manifest = {**manifest, "sha256": {f: ckpt._sha256(tmp / f) for f in files}}
+    manifest = {**manifest, "sha256": {f: ckpt.sha256(tmp / f) for f in files}}
     (tmp / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=2))
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            ckpt._fsync(f)
-    ckpt._fsync(tmp)
-    os.rename(tmp, target)
-    ckpt._fsync(target.parent)
+    publish(tmp, target)
     return manifest
 
 
@@ -265,7 +251,7 @@ def save_sharded_state(engine: ShardedEngine, run_id: str, path: str | Path, inc
                 "lora": run.adapter.config.to_dict(), "has_optimizer": include_optimizer,
                 "optimizer_step": run.optimizer.step if include_optimizer else None,
                 "world_size": engine.world_size}
-    tmp = Path(_from_rank0(_make_tmp, target))
+    tmp = Path(_from_rank0(temp_beside, target))
     try:
         dcp.save(shards, checkpoint_id=tmp)  # returns on every rank once rank 0 wrote the metadata
         return _from_rank0(_publish, tmp, target, manifest)
@@ -289,7 +275,7 @@ def _check(manifest: dict, path: Path, run: Run, with_optimizer: bool) -> None:
         raise InvalidInput("checkpoint has no optimizer state; use load_state (weights only)", field="path")
     for name, digest in manifest["sha256"].items():
         file = path / name
-        if not file.is_file() or ckpt._sha256(file) != digest:
+        if not file.is_file() or ckpt.sha256(file) != digest:
             raise InvalidInput(f"checkpoint file {file} is missing or fails its checksum: the checkpoint is "
                                "corrupt", field="path")
 

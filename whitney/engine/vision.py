@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from whitney.engine.datum import ImageInput
 from whitney.engine.general import adapted
 from whitney.engine.lora import RowGroups
-from whitney.engine.model import BaseModel, shown_name
+from whitney.engine.model import BaseModel
 from whitney.errors import InvalidInput
+from whitney.protocol.config import shown_name
+from whitney.protocol.training import ImageInput
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3")  # tested in tests/engine/test_vision.py; others are served as text
@@ -231,7 +232,7 @@ def logprob_datum(expand: ImageExpander, seq, index: int):
     inputs s[:-1], targets s[1:] (as ever). With image chunks: the whole expanded sequence is the input (an image
     cannot be cut), its targets the ids shifted by one, the last position's (nothing to predict) repeating the
     last id; `sequence_logprobs` drops it."""
-    from whitney.engine.datum import Datum
+    from whitney.protocol.training import Datum
 
     if not (isinstance(seq, list) and any(isinstance(c, ImageInput) for c in seq)):
         if isinstance(seq, list) and seq and all(isinstance(c, list) for c in seq):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from whitney.errors import InvalidInput
 
@@ -45,6 +46,13 @@ def check_optional_count(field: str, value: int | None, unset: str) -> None:
     """None (meaning `unset`) or an integer >= 1; else an InvalidInput naming the field and the rule."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise InvalidInput(f"{field} must be an integer >= 1 (or unset: {unset}), got {value!r}", field=field)
+
+
+def shown_name(name: str) -> str:
+    """The name a base model is shown under: a local directory's own name (never a server path), else the
+    name as given (an embedded model's or a Hugging Face repo id)."""
+    path = Path(name).expanduser()
+    return path.resolve().name if path.is_dir() else name
 
 
 def usable_cpu_ids() -> set[int]:

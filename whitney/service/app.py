@@ -13,16 +13,17 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Match, Mount
 
-from whitney.engine import DEFAULT_MODEL
-from whitney.engine.backend import Backend, EngineConfig, InProcessBackend
-from whitney.engine.checkpoint import remove_leftovers
-from whitney.engine.model import shown_name
+from whitney import backends
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable
+from whitney.protocol.backend import Backend, BackendSpec
+from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, shown_name
+from whitney.protocol.files import remove_leftovers
 from whitney.service import handlers, schemas, tinker
 from whitney.service.bodies import read_body, replaying
 from whitney.service.console import create_console
 from whitney.service.deps import ServiceState, Unauthorized, new_app
-from whitney.service.keys import KeyGate, KeyLimits, KeyRing
+from whitney.service.key_limits import KeyLimits
+from whitney.service.keys import KeyGate, KeyRing
 from whitney.service.limits import Limits
 from whitney.service.metrics import Metrics
 from whitney.service.quotas import QuotaExceeded, Quotas
@@ -125,37 +126,14 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
 
 
 def start_backend(config: ServiceConfig, shown: list[str]) -> Backend:
-    """The configured backend with the models loaded (`shown`: the name each is served under)."""
+    """The configured backend (whitney/backends, by name) with the models loaded (`shown`: the name each is
+    served under)."""
     # Sampling prefills at most one engine call's budget of prompt tokens per step, as training does.
     engine = replace(config.engine, max_prefill_tokens=config.limits.max_batch_tokens)
     if engine.paging_dir is None:  # idle runs are paged out to the data dir (engine/paging.py)
         engine = replace(engine, paging_dir=str(Path(config.data_dir).expanduser() / "paged"))
-    if config.backend == "inprocess":
-        backend = InProcessBackend.start(engine, [])
-        for name, public in zip(config.models, shown):
-            backend.load_model(name, alias=public)
-        return backend
-    if config.backend != "ray":
-        raise InvalidInput(f"backend must be inprocess or ray, got {config.backend!r}", field="backend")
-    try:
-        from whitney.engine.ray_backend import Placement, RayBackend
-    except ImportError as e:
-        raise InvalidInput(f"the ray backend needs Ray: pip install 'whitney[ray]' ({e})", field="backend") from None
-    unknown = set(config.worker_resources) - set(config.models) - set(shown)
-    if unknown:
-        raise InvalidInput(f"worker resources name models not served: {sorted(unknown)}", field="worker_resources")
-    placements = []
-    for name, public in zip(config.models, shown):
-        given = dict(config.worker_resources.get(name) or config.worker_resources.get(public) or {})
-        cpus, gpus = given.pop("cpus", 1.0), given.pop("gpus", 0.0)
-        # A trainer given N > 1 GPUs (or shards:N) shards its base over N ranks, one device each.
-        shards = given.pop("shards", gpus if gpus > 1 else 1)
-        if shards != int(shards) or shards < 1 or (gpus > 1 and shards != gpus):
-            raise InvalidInput(f"worker resources of {public}: shards must be a whole number >= 1 (and equal gpus "
-                               f"when gpus > 1), got shards {shards} with gpus {gpus}", field="worker_resources")
-        placements.append(Placement(name, public, num_cpus=cpus, num_gpus=gpus / shards if gpus > 1 else gpus,
-                                    resources=given, samplers=config.samplers, shards=int(shards)))
-    return RayBackend(engine, placements, config.ray_address)
+    return backends.start(config.backend, BackendSpec(engine, tuple(zip(config.models, shown)), config.ray_address,
+                                                      config.samplers, dict(config.worker_resources)))
 
 
 class BodyLimit:

@@ -9,11 +9,11 @@ Both APIs name a stored loss the same way: loss function "custom" with loss_conf
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from sqlalchemy import JSON, Float, String, select
 from sqlalchemy.orm import Mapped, mapped_column
 
-from whitney.engine.custom_loss import compile_loss
 from whitney.errors import InvalidInput, NotFound
 from whitney.service.store import Base, Store, _row_dict, digest, new_id
 
@@ -45,11 +45,12 @@ def public(row: dict, with_graph: bool = False) -> dict:
     return {**out, "graph": row["definition"]["graph"]} if with_graph else out
 
 
-def create(store: Store, who: str, definition: dict, *, loss_id: str | None = None,
+def create(store: Store, who: str, definition: dict, check: Callable[[dict], None], *, loss_id: str | None = None,
            session_id: str | None = None) -> dict:
-    """Check and store a definition; InvalidInput names the node that breaks a rule. With `loss_id`, a resend
-    of the same definition returns the stored row and a different one under that id is InvalidInput."""
-    compile_loss(definition)
+    """Check a definition (`check`: the backend's `check_custom_loss`, InvalidInput naming the node that breaks a
+    rule) and store it. With `loss_id`, a resend of the same definition returns the stored row and a different
+    one under that id is InvalidInput."""
+    check(definition)
     _ensure_table(store)
     body = digest(definition)
     with store.tx() as db:

@@ -29,8 +29,8 @@ from urllib.parse import unquote, urlsplit
 
 from PIL import Image, UnidentifiedImageError
 
-from whitney.engine.datum import Datum, ImageInput
 from whitney.errors import InvalidInput, TooLarge
+from whitney.protocol.training import Datum, ImageInput
 from whitney.service.limits import Limits
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # wire name -> Pillow's name
@@ -205,9 +205,10 @@ def token_ids(tokens_or_chunks) -> list[int]:
 
 
 def stand_in(prompt: list, params) -> list[int]:
-    """A sample prompt as token ids for the checks the service makes before queueing it (sampler.validate): each
-    image as its expected_tokens positions. A check that needs the prompt's exact length (prompt_logprobs_last_n,
-    target_prompt_logprobs) needs every image's expected_tokens: a 400 naming the first image without them."""
+    """A sample prompt as token ids for the checks the service makes before queueing it
+    (protocol.sampling.validate): each image as its expected_tokens positions. A check that needs the prompt's
+    exact length (prompt_logprobs_last_n, target_prompt_logprobs) needs every image's expected_tokens: a 400
+    naming the first image without them."""
     if not has_images(prompt):
         return prompt
     unsized = next((j for j, c in enumerate(prompt) if isinstance(c, ImageInput) and c.expected_tokens is None), None)

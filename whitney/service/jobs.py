@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from whitney.engine import AdamParams, Datum
-from whitney.engine.backend import Failure
+from whitney.protocol.backend import Failure
+from whitney.protocol.training import AdamParams, Datum
+
 
 @dataclass(frozen=True)
 class ForwardJob:

@@ -19,12 +19,11 @@ import hashlib
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
 from whitney.errors import WhitneyError
-from whitney.service.key_limits import LIMITS, KeyLimits
+from whitney.service.key_limits import LIMITS
 from whitney.service.signing import is_jwt, read_jwt
 from whitney.service.store import Store
 

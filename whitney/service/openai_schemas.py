@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from whitney.engine.sampler import MAX_TOP_LOGPROBS
+from whitney.protocol.sampling import MAX_TOP_LOGPROBS
 from whitney.service.schemas import INT64_LIMIT, Out, TokenId, Wire
 
 # name -> the values that change nothing (anything else is a 400 naming the parameter)

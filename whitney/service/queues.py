@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from whitney.engine import ForwardResult, merge_results
-from whitney.engine.backend import Backend, Failure, Weights
-from whitney.engine.sampler import SampleProgress, SampleResult
+from whitney.protocol.backend import Backend, Failure, Weights
+from whitney.protocol.sampling import SampleProgress, SampleResult
+from whitney.protocol.training import ForwardResult, merge_results
+from whitney.service.images import known_length
 from whitney.service.jobs import Job, forward_result_dict, sample_result_dict
 from whitney.service.lifecycle import OperationStatus
-from whitney.service.images import known_length
 from whitney.service.limits import plan_micro_batches
 
 log = logging.getLogger("whitney.scheduler")

@@ -13,10 +13,11 @@ import threading
 import time
 from collections import deque
 
-from whitney.engine.backend import Backend
-from whitney.engine.lora import LoraConfig
 from whitney.errors import InvalidInput, WhitneyError
-from whitney.service.keys import KeyRing, KeyLimits
+from whitney.protocol.backend import Backend
+from whitney.protocol.training import LoraConfig
+from whitney.service.key_limits import KeyLimits
+from whitney.service.keys import KeyRing
 from whitney.service.store import Store
 
 WINDOW = 60.0  # seconds of the tokens-per-minute window

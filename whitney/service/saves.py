@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from whitney.engine.backend import Backend
 from whitney.errors import InvalidInput
+from whitney.protocol.backend import Backend
 from whitney.service.jobs import LoadJob, SaveJob, public_package
 from whitney.service.lifecycle import OperationKind
 from whitney.service.store import Store, new_id

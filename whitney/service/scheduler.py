@@ -28,16 +28,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from whitney.engine import ForwardRequest, LoraConfig
-from whitney.engine.backend import Backend, Failure, Weights
-from whitney.engine.sampler import SampleProgress, SamplingParams
+from whitney.protocol.backend import Backend, Failure, Weights
+from whitney.protocol.sampling import SampleProgress, SamplingParams
+from whitney.protocol.training import ForwardRequest, LoraConfig
 from whitney.service.jobs import ForwardJob, Job, OptimJob, Refused
 from whitney.service.lifecycle import (OPERATION_TERMINAL, RUN_OPEN, OperationKind, OperationStatus, RunStatus,
                                        SessionStatus)
 from whitney.service.limits import plan_micro_batches
 from whitney.service.packages import reap
-from whitney.service.queues import (Lane, Progress, RunQueue, SampleStream, Scoring, end_move, end_of_part,
-                                    sample_result)
+from whitney.service.queues import Lane, Progress, RunQueue, SampleStream, Scoring, end_move, end_of_part, sample_result
 from whitney.service.saves import execute
 from whitney.service.store import Store
 

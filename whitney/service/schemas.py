@@ -248,7 +248,7 @@ class CustomLoss(BaseModel):
 
 
 class AdamSpec(Wire):
-    """The ranges of engine.optim.AdamParams.validate (which also refuses infinities)."""
+    """The ranges of protocol.training.AdamParams.validate (which also refuses infinities)."""
 
     learning_rate: float = Field(1e-4, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -318,7 +318,7 @@ class WeightsRef(Wire):
 
 
 class SampleRequest(WeightsRef):
-    """The ranges of engine.sampler.validate; the model-dependent ones (vocabulary, context) stay there."""
+    """The ranges of protocol.sampling.validate; the model-dependent ones (vocabulary, context) stay there."""
 
     prompt: TokensOrChunks
     num_samples: int = Field(1, ge=1)  # at most the server's max_concurrent_sequences
@@ -331,7 +331,7 @@ class SampleRequest(WeightsRef):
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=100)  # engine.sampler.MAX_TOPK_PROMPT_LOGPROBS
     topk_sample_logprobs: int = Field(0, ge=0, le=100)  # each sequence's top_logprobs; the same bound
-    prompt_logprobs_last_n: int | None = Field(None, ge=1)  # at most len(prompt) - 1 (engine.sampler.validate)
+    prompt_logprobs_last_n: int | None = Field(None, ge=1)  # at most len(prompt) - 1 (protocol.sampling.validate)
     target_prompt_logprobs: list[list[int]] | None = None  # [len(prompt) - 1, K] ids, -1: none (engine.prompt_scores)
 
 

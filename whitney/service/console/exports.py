@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from whitney.engine import LoraConfig
 from whitney.errors import InvalidInput, NotFound
+from whitney.protocol.training import LoraConfig
 from whitney.service.deps import ServiceState
 from whitney.service.store import new_id
 

@@ -7,7 +7,6 @@ from dataclasses import asdict
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from whitney.engine import describe_losses
 from whitney.service.deps import Owner, State
 from whitney.service.lifecycle import SAMPLING_KINDS, TRAINING_KINDS
 
@@ -18,7 +17,7 @@ health = APIRouter(tags=["health"])
 @router.get("/training/capabilities")
 def capabilities(st: State) -> dict:
     config = st.scheduler.backend.config
-    losses = describe_losses()  # the engine's loss table, as plain data
+    losses = st.scheduler.backend.losses()  # the engine's loss table, as plain data
     return {
         "models": [{
             "name": name,

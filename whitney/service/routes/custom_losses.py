@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1", tags=["custom_losses"])
 @router.post("/custom_losses", response_model=schemas.CustomLoss, status_code=201)
 def create_custom_loss(body: schemas.CustomLossCreate, st: State, who: Owner):
     """Check the graph (a breach of the allow-list is a 400 naming the node) and store it for this key."""
-    row = custom_losses.create(st.store, who, body.model_dump())
+    row = custom_losses.create(st.store, who, body.model_dump(), st.scheduler.backend.check_custom_loss)
     return custom_losses.public(row)
 
 

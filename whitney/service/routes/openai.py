@@ -22,9 +22,9 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from whitney.engine.backend import Failure, raise_failure
-from whitney.engine.sampler import SamplingParams, validate
 from whitney.errors import InvalidInput, NotFound, WhitneyError
+from whitney.protocol.backend import Failure, raise_failure
+from whitney.protocol.sampling import SamplingParams, validate
 from whitney.service import openai_schemas as wire
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import OPERATION_TERMINAL, OperationKind, OperationStatus

@@ -7,13 +7,13 @@ from dataclasses import asdict
 
 from fastapi import APIRouter, Query
 
-from whitney.engine import AdamParams, ForwardRequest
 from whitney.errors import Conflict, InvalidInput
+from whitney.protocol.training import AdamParams, ForwardRequest
 from whitney.service import custom_losses, images, schemas
 from whitney.service.deps import Owner, ServiceState, State
-from whitney.service.limits import check_operation
 from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, SaveJob
 from whitney.service.lifecycle import OPERATION_TERMINAL, OperationKind, RunStatus
+from whitney.service.limits import check_operation
 from whitney.service.packages import reading
 from whitney.service.store import digest
 

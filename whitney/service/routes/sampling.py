@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from whitney.engine.backend import Weights
-from whitney.engine.sampler import SamplingParams, validate
 from whitney.errors import InvalidInput, NotFound, WhitneyError
+from whitney.protocol.backend import Weights
+from whitney.protocol.sampling import SamplingParams, validate
 from whitney.service import images, schemas
 from whitney.service.deps import Owner, ServiceState, State
 from whitney.service.lifecycle import RUN_OPEN, OperationKind

@@ -35,7 +35,8 @@ def create_custom_loss(body: CreateCustomLoss, st: State, who: Owner) -> dict:
     """Check the graph against the allow-list and store it; the future's result is {loss_id}."""
     st.store.get_session(body.session_id, who)
     definition = {"name": body.name, "inputs": body.inputs, "graph": body.graph}
-    row = custom_losses.create(st.store, who, definition, session_id=body.session_id,
+    row = custom_losses.create(st.store, who, definition, st.scheduler.backend.check_custom_loss,
+                               session_id=body.session_id,
                                loss_id=f"{body.session_id}:loss:{body.custom_loss_seq_id}")
     op = finished_op(st, who, OperationKind.CREATE_CUSTOM_LOSS, {"loss_id": row["id"], "type": "create_custom_loss"})
     return future(op)

@@ -29,8 +29,8 @@ import math
 import struct
 from dataclasses import dataclass, field
 
-from whitney.engine.datum import MAX_DIMS, MAX_K
 from whitney.errors import InvalidInput
+from whitney.protocol.training import MAX_DIMS, MAX_K
 
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
 _DTYPE_NAMES = {DTYPE_FLOAT32: "float32", DTYPE_INT64: "int64", DTYPE_INT32: "int32"}

@@ -6,14 +6,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from whitney.engine.datum import ImageInput
-from whitney.engine.sampler import MAX_TOPK_PROMPT_LOGPROBS, SamplingParams
 from whitney.errors import InvalidInput, NotFound
+from whitney.protocol.sampling import MAX_TOPK_PROMPT_LOGPROBS, SamplingParams
+from whitney.protocol.training import ImageInput
 from whitney.service import images, schemas
 from whitney.service.deps import Owner, State
 from whitney.service.routes.sampling import resolve, start_sample
-from whitney.service.tinker.common import (Sampler, Tinker, TinkerBody, resolve_path, sampler_ref,
-                                           served)
+from whitney.service.tinker.common import Sampler, Tinker, TinkerBody, resolve_path, sampler_ref, served
 
 router = APIRouter()
 

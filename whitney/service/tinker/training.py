@@ -15,16 +15,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from whitney.engine import AdamParams, ForwardRequest, describe_losses
-from whitney.engine.backend import Failure
 from whitney.errors import InvalidInput, WhitneyError
+from whitney.protocol.backend import Failure
+from whitney.protocol.training import AdamParams, ForwardRequest
 from whitney.service import custom_losses, images, packages, schemas
 from whitney.service.deps import Owner, ServiceState, State
+from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob
 from whitney.service.lifecycle import OperationKind, OperationStatus
 from whitney.service.limits import check_metadata, check_operation
 from whitney.service.routes.operations import enqueue
 from whitney.service.routes.sessions import open_run
-from whitney.service.jobs import ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob
 from whitney.service.store import digest
 from whitney.service.tinker import proto
 from whitney.service.tinker.common import (NAME, Sampler, Tinker, TinkerBody, access_owner, model_id, native_seq,
@@ -110,10 +110,10 @@ def get_info(body: ModelRef, st: State, who: Owner) -> dict:
 
 # ---- forward, forward_backward and optim_step ------------------------------------------------
 
-def loss_config(loss_fn: str, config: dict) -> dict:
-    """Tinker's loss parameters: where the loss table gives Tinker defaults (cispo's absolute 0.8 / 1.2)
-    and the request names none of the loss's keys, those. An unknown name is the engine's to refuse."""
-    loss = describe_losses().get(loss_fn)
+def loss_config(losses: dict, loss_fn: str, config: dict) -> dict:
+    """Tinker's loss parameters: where the loss table (`Backend.losses()`) gives Tinker defaults (cispo's absolute
+    0.8 / 1.2) and the request names none of the loss's keys, those. An unknown name is the engine's to refuse."""
+    loss = losses.get(loss_fn)
     if loss and loss["tinker_defaults"] and not set(loss["config"]) & set(config):
         return {**config, **loss["tinker_defaults"]}
     return config
@@ -136,7 +136,8 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
     check_operation(st.limits, lengths)
     job: Job
     try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn)
-        config = custom_losses.resolve(st.store, who, req.loss_fn, loss_config(req.loss_fn, req.loss_fn_config))
+        config = loss_config(st.scheduler.backend.losses(), req.loss_fn, req.loss_fn_config)
+        config = custom_losses.resolve(st.store, who, req.loss_fn, config)
         if any(images.has_images(d.token_ids) for d in data):
             lengths = await run_in_threadpool(_image_lengths, st, who, req, data, config)
             check_operation(st.limits, lengths)

@@ -1,6 +1,8 @@
-"""What a sampling request asks for (`SamplingParams`), and its checks against a model (`validate`).
+"""What a sampling request asks for (`SamplingParams`), its checks against a model (`validate`), and what it
+gets back (`SampleResult`; a streaming request's `SampleProgress` as it goes). Torch-free: the control plane
+checks a request before anything is queued.
 
-A prompt is token ids, or chunks: token-id lists and images (engine/datum.py ImageInput). Before the engine has
+A prompt is token ids, or chunks: token-id lists and images (protocol/training.py ImageInput). Before the engine has
 expanded the images (the service's check) an image counts its `expected_tokens` (0 when not given), so the
 checks that depend on the prompt's length are exact only on the engine's own call, after expansion.
 
@@ -12,9 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from whitney.engine.datum import ImageInput
-from whitney.engine.prompt_scores import validate_targets
 from whitney.errors import check
+from whitney.protocol.training import ImageInput
 
 MAX_TOPK_PROMPT_LOGPROBS = 100
 MAX_TOP_LOGPROBS = 20  # the OpenAI routes' bound on alternatives per generated token (the engine's is the one above)
@@ -101,3 +102,51 @@ def validate(prompt: list[int], params: SamplingParams, model, max_samples: int)
             isinstance(s, (list, tuple)) and len(s) > 0 and all(_int(x) and 0 <= x < vocab for x in s))
         check(ok, f"each stop must be a non-empty string, a token id in [0, {vocab}) or a non-empty list of them, "
               f"got {s!r}", field="stop")
+
+
+def validate_targets(targets, prompt_len: int, vocab: int, max_width: int) -> None:
+    """target_prompt_logprobs: exactly P-1 rows of one width K from 1 to `max_width` (the prompt top-k bound,
+    so the cost stays P x K), ids -1 or in [0, V), at least one id."""
+    field = "target_prompt_logprobs"
+    check(isinstance(targets, (list, tuple)) and len(targets) == prompt_len - 1 and
+          all(isinstance(r, (list, tuple)) for r in targets),
+          f"{field} must have len(prompt) - 1 = {prompt_len - 1} rows", field=field)
+    width = len(targets[0]) if targets else 0
+    check(1 <= width <= max_width and all(len(r) == width for r in targets),
+          f"{field} rows must all have one width from 1 to {max_width}", field=field)
+    check(all(_int(t) and -1 <= t < vocab for r in targets for t in r),
+          f"{field} ids must be integers in [0, {vocab}) or -1 (nothing asked)", field=field)
+    check(any(t >= 0 for r in targets for t in r), f"{field} must name at least one token id", field=field)
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]  # [len(tokens)] log-prob of each generated token at temperature 1
+    stop_reason: str  # "stop" | "length"
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # [len(tokens)] of k (token, logprob), if asked
+
+
+@dataclass
+class SampleProgress:
+    """A streaming request's tokens chosen since its last report, per sample ([num_samples] lists, some
+    maybe empty), with their log-probs and (if asked) their top alternatives."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+    def extend(self, later: "SampleProgress") -> None:
+        """Append a later report of the same request to this one."""
+        for mine, theirs in ((self.tokens, later.tokens), (self.logprobs, later.logprobs),
+                             (self.top_logprobs, later.top_logprobs)):
+            for a, b in zip(mine or (), theirs or ()):
+                a.extend(b)
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None  # [P], first None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None  # [P] of k (token, logprob)
+    target_prompt_logprobs: list[list[float | None]] | None = None  # [P-1, K], None where the id was -1

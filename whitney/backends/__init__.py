@@ -1,0 +1,24 @@
+"""The backends `whitney serve --backend NAME` picks from, by name. Each is a module of this package with a
+`start_backend(spec: BackendSpec) -> Backend`, imported only when chosen: the control plane imports this
+registry without loading torch, the engine or Ray. A new backend is one module and one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from whitney.errors import InvalidInput
+from whitney.protocol.backend import Backend, BackendSpec
+
+BACKENDS = {
+    "inprocess": "whitney.backends.in_process",  # the engine in this process
+    "ray": "whitney.backends.ray",  # a trainer (and sampler replicas) per model in Ray actors
+}
+
+
+def start(name: str, spec: BackendSpec) -> Backend:
+    """The backend called `name`, started with `spec`'s models loaded; InvalidInput naming `backend` for an
+    unknown name or a backend whose package is not installed."""
+    if name not in BACKENDS:
+        raise InvalidInput(f"backend must be one of {sorted(BACKENDS)}, got {name!r}", field="backend")
+    return importlib.import_module(BACKENDS[name]).start_backend(spec)

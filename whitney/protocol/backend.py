@@ -1,0 +1,187 @@
+"""The Backend: the narrow interface the service drives an engine through, over plain data (torch-free).
+
+Everything that crosses it is a dataclass of lists, numbers and strings (no tensors, no live objects,
+no exception objects in results), so a backend can live in this process (`InProcessBackend`, over the
+`Engine`) or in another one (a proxy to workers elsewhere) behind the same methods:
+
+  models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype,
+                                  device)
+  losses()                        the loss table as plain data: each loss's inputs, config keys and defaults
+  check_custom_loss(definition)   a custom loss graph checked against the allow-lists (InvalidInput names the node)
+  adapter_bytes(base, lora)       memory one run of that LoRA config holds (validates the config)
+  validate(request, backward)     check a forward request without running it; its token count
+  create_run / delete_run         a run's adapter (optionally loaded from a checkpoint), and its end
+  run_batch(requests, backward)   forward(_backward) of several runs' requests: a result or a Failure each
+  commit_gradients / discard_gradients   a micro-batched operation's staged gradient, added or dropped
+  optim_step, save_state, load_state, save_weights, export_lora
+  optim_steps([(run_id, params)])   several runs' optim_steps in one call: a result or a Failure each, each
+                                  bitwise the run's own optim_step
+  save_weights_for_sampler(run_id, path) -> version: frozen, written to `path`, loadable everywhere
+  compute_logprobs(sequences, weights)
+  submit_sample(request_id, prompt, params, weights, stream=False); sample_step() -> [(request_id, result |
+                                  Failure | SampleProgress)]: a request's end, or (streaming requests only)
+                                  the tokens it chose since its last report; a request's progress always
+                                  comes before its end
+  render_chat(base_model, messages, add_generation_prompt, mark_assistant) -> ChatTokens: the model's own
+                                  chat template, tokenized (engine/chat.py)
+  encode(base_model, text) -> [int]; decode(base_model, sequences, skip_special_tokens) -> [str]: the
+                                  model's own tokenizer; like render_chat, callable from any thread (no
+                                  engine state)
+  take_lost_runs()                runs whose worker died since the last call (their state is gone)
+  page_out_idle()                 page out runs idle for `config.page_idle_seconds` (engine/paging.py); the
+                                  scheduler's training thread calls it between engine calls
+  residency()                     {"in_memory": runs, "paged_out": runs, "page_outs"/"page_ins"/"moment_reads":
+                                  counts so far, "page_out_seconds"/"page_in_seconds"/"moment_read_seconds":
+                                  their total time, "page_out_histogram"/...: {upper bound: count}}; from any
+                                  thread
+  close()                         stop the workers
+  sampling                        sampling requests in flight (the metrics' batch occupancy)
+  separate_sampling               True when sampling and scoring run apart from training (other workers):
+                                  the service then drives them from a second thread
+
+Single calls raise a `WhitneyError` for the caller's mistakes and `WorkerLost` when the worker holding
+the state died; anything else is a bug of the backend. `RayBackend` (ray_backend.py) is the other one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
+
+from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
+from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, LoraConfig
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A loaded base model as routes see it: read-only, and the same wherever the model lives."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    max_context: int
+    adaptable_modules: tuple[str, ...]  # LoRA target names (q_proj, ..., lm_head)
+    compute_dtype: str  # resolved: "float32" or "bfloat16"
+    device: str  # resolved: "cpu" or "cuda:N"
+    eos_token_ids: tuple[int, ...]
+    linear_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # path -> (in, out[, E])
+    weight_bytes: int = 0  # the frozen base's tensors held by the worker (its shard, when sharded)
+    vision: bool = False  # takes image chunks (a vision-language checkpoint with its processor; engine/vision.py)
+    compute_threads: int = 1  # torch's threads in the process that trains it when idle (EngineConfig.threads)
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """A rendered conversation: its token ids [N] and, when asked for, 1 on each assistant message's tokens
+    (end-of-turn tokens included) and 0 elsewhere [N]."""
+
+    tokens: list[int]
+    assistant_mask: list[int] | None = None
+
+
+class WorkerLost(RuntimeError):
+    """The worker process that held a run's state (or ran a request) died; what it held is gone."""
+
+    code = "worker_lost"
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Which weights to score or sample with: a run's sampler version, a saved checkpoint, or a base model."""
+
+    run_id: str | None = None
+    version: int | None = None
+    checkpoint_path: str | None = None
+    base_model: str | None = None
+
+    def as_kwargs(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An operation's error as data. category "user": the caller's mistake (a 4xx kind); "server": a bug."""
+
+    code: str
+    message: str
+    category: str = "user"
+    field: str | None = None
+    datum_index: int | None = None
+
+    @classmethod
+    def of(cls, error: BaseException) -> "Failure":
+        if isinstance(error, WhitneyError):
+            return cls(error.code, error.message, "user", error.field, error.datum_index)
+        if isinstance(error, WorkerLost):
+            return cls(WorkerLost.code, str(error), "server")
+        return cls("internal", f"{type(error).__name__}: {error}", "server")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+_ERRORS = {cls.code: cls for cls in (InvalidInput, NotFound, TooLarge, Conflict, Unavailable)}
+
+
+def raise_failure(failure: Failure) -> None:
+    """Raise the error a Failure carries: a user's as its WhitneyError, a lost worker's as WorkerLost."""
+    if failure.code == WorkerLost.code:
+        raise WorkerLost(failure.message)
+    if failure.category == "user":
+        raise _ERRORS.get(failure.code, WhitneyError)(failure.message, field=failure.field,
+                                                      datum_index=failure.datum_index)
+    raise RuntimeError(f"{failure.code}: {failure.message}")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What `whitney serve` starts a backend with (whitney/backends: the registry of backends by name)."""
+
+    engine: EngineConfig
+    models: tuple[tuple[str, str], ...]  # (as given to --model, the name it is served under)
+    ray_address: str | None = None  # ray: a running cluster; None: start a local one
+    samplers: int = 0  # ray: sampler replicas per base model
+    # ray: each model's worker resources, by the name it is given or served under ({"cpus": 2, "gpus": 1, ...})
+    worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    config: EngineConfig
+    separate_sampling: bool
+
+    @property
+    def models(self) -> dict[str, ModelInfo]: ...
+    def losses(self) -> dict: ...
+    def check_custom_loss(self, definition: dict) -> None: ...
+    def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int: ...
+    def validate(self, request: ForwardRequest, backward: bool) -> int: ...
+    def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,
+                   resume_with_optimizer: bool = False) -> None: ...
+    def delete_run(self, run_id: str) -> None: ...
+    def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | Failure]: ...
+    def commit_gradients(self, run_id: str, stage: str) -> None: ...
+    def discard_gradients(self, run_id: str, stage: str) -> None: ...
+    def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]: ...
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Failure]: ...
+    def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None: ...
+    def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None: ...
+    def save_weights(self, run_id: str, path: str, merge: bool = False) -> None: ...
+    def export_lora(self, run_id: str, path: str) -> None: ...
+    def save_weights_for_sampler(self, run_id: str, path: str) -> int: ...
+    def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]: ...
+    def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
+                      stream: bool = False) -> None: ...
+    def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]: ...
+    def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
+                    mark_assistant: bool = False) -> ChatTokens: ...
+    def encode(self, base_model: str, text: str) -> list[int]: ...
+    def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]: ...
+    def take_lost_runs(self) -> list[str]: ...
+    def page_out_idle(self) -> int: ...
+    def residency(self) -> dict: ...
+    def close(self) -> None: ...
+    @property
+    def sampling(self) -> int: ...
