@@ -9,8 +9,9 @@ another process (a Python loop spinning on it), for the server's default thread 
 Each setting gets its own server, one after the other; within a setting, idle and busy rounds alternate (a
 round: N steps of forward_backward + optim_step submitted back to back and both awaited, as the demo does).
 A busy round starts once the other process has run for SETTLE seconds (the machine is busy, not becoming
-busy), an idle round SETTLE seconds after it ended; the step that starts together with the other process is timed apart (`first_busy_step`: the engine
-sees the new load only after one call). Target: the default's busy step at most 2x its idle step.
+busy), an idle round SETTLE seconds after it ended; the step that starts together with the other process is
+timed apart (`first_busy_step`: the engine sees the new load only after one call). Target: the default's busy
+step at most 2x its idle step.
 """
 
 from __future__ import annotations

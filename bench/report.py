@@ -366,7 +366,8 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "(`--threads auto`: the CPUs other processes leave free, engine/threads.py), threads fixed at the CPUs "
         "(the old default), and `--threads 1`; then 4 greedy samples of 32 tokens from the base model the same way "
         "(tokens/s). A busy round starts after the other process has run for 1 s, an idle round 1 s after it "
-        "ended; the one step that starts together with it is reported apart (the engine sees a new load only from its next call on). Target: "
+        "ended; the one step that starts together with it is reported apart (the engine sees a new load only "
+        "from its next call on). Target: "
         "default SFT step busy <= 2x idle.",
         "- **tenants** (`--only tenants`, issue 15): 32 clients, each its own session and rank-8 run, loop "
         "forward_backward (4 x 64) + optim_step and every 8th step a sampler version and an 8-token sample, for "

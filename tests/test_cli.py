@@ -66,11 +66,9 @@ def test_the_help_loads_no_torch_and_every_option_says_what_it_does():
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
              "print('LOADED', sorted(m for m in ('torch', 'transformers', 'sqlalchemy', 'fastapi', 'whitney.engine')"
              " if m in sys.modules))")
-    t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "LOADED []" in done.stdout, "printing help must not load torch, the engine or the store"
-    assert time.perf_counter() - t0 < 30  # (a second or less on an idle machine; a bound only against hangs)
 
     from whitney.cli import build_parser
 
@@ -92,7 +90,6 @@ def test_a_port_in_use_is_said_in_one_line_before_any_model_loads(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "whitney.cli", "serve", "--model", str(tmp_path / "no-model"),
                                "--port", str(port), "--data-dir", str(tmp_path / "d")],
                               capture_output=True, text=True, timeout=60)
@@ -100,7 +97,6 @@ def test_a_port_in_use_is_said_in_one_line_before_any_model_loads(tmp_path):
     assert done.stderr.strip() == (f"whitney serve: cannot listen on 127.0.0.1:{port}: the port is in use "
                                    "(another server?); stop it or choose another --port"), done.stderr
     assert not (tmp_path / "d").exists(), "nothing was set up before the port was checked"
-    assert time.perf_counter() - t0 < 30
     bad = subprocess.run([sys.executable, "-m", "whitney.cli", "serve", "--port", "70000"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--port: must be a port number from 0 to 65535, got '70000'" in bad.stderr

@@ -66,3 +66,20 @@ def test_engine_modules_stay_small():
     for path in sorted(PACKAGE.rglob("*.py")):
         lines = len(path.read_text().splitlines())
         assert lines <= 500, f"{path.name} has {lines} lines; split it by job"
+
+
+def test_the_in_process_backend_refuses_the_ray_settings_rather_than_ignore_them():
+    import pytest
+
+    from whitney import backends
+    from whitney.errors import InvalidInput
+    from whitney.protocol.backend import BackendSpec
+    from whitney.protocol.config import EngineConfig
+
+    for settings in ({"samplers": 1}, {"ray_address": "auto"}, {"worker_resources": {"m": {"cpus": 2.0}}}):
+        with pytest.raises(InvalidInput) as e:
+            backends.start("inprocess", BackendSpec(EngineConfig(), (), **settings))
+        assert e.value.field == "backend" and "need the ray backend" in e.value.message
+    with pytest.raises(InvalidInput) as e:
+        backends.start("gpu-magic", BackendSpec(EngineConfig(), ()))
+    assert e.value.field == "backend" and "inprocess" in e.value.message

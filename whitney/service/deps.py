@@ -10,7 +10,8 @@ from fastapi import Depends, FastAPI, Header, Request
 from starlette.concurrency import run_in_threadpool
 
 from whitney.protocol.backend import ModelInfo
-from whitney.service.keys import OWNER_SCOPE_KEY, KeyRing, Unauthorized, owner_of_key, presented_key  # noqa: F401 (re-exported)
+from whitney.service.keys import (OWNER_SCOPE_KEY, KeyRing, Unauthorized, owner_of_key,  # noqa: F401 (re-exported)
+                                  presented_key)
 from whitney.service.limits import Limits
 from whitney.service.metrics import Metrics
 from whitney.service.quotas import Quotas

@@ -343,7 +343,8 @@ class Store:
     def newest_sampler_versions(self, owner: str, limit: int) -> list[dict]:
         """The owner's newest `limit` sampler versions that `<run_id>@<version>` still samples (the run is open, or
         the version's package is not deleted: routes/sampling.py `resolve`), newest first: `{run_id, version,
-        created}`. One query; only the small parts of each result are read (JSON paths, as console/queries.py); for GET /v1/models."""
+        created}`, for GET /v1/models. One query; only the small parts of each result are read (JSON paths, as
+        console/queries.py)."""
         package_id = OperationRow.result["package"]["id"].as_string()
         q = (select(OperationRow.run_id, OperationRow.result["version"].as_integer(), OperationRow.finished_at)
              .join(RunRow, RunRow.id == OperationRow.run_id)
