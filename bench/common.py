@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from whitney.engine import DEFAULT_MODEL
-from whitney.engine.model import cpu_bf16_matmul
+from whitney.engine.families.model import cpu_bf16_matmul
 
 
 def machine() -> dict:

@@ -13,7 +13,6 @@ unembedding (Whitney's default train_unembed=True; PEFT's target_modules list th
 
 from __future__ import annotations
 
-
 import torch
 
 from bench.common import alternate, engine_datums, median, peft_sft_step, sft_batch, start_server
@@ -30,7 +29,8 @@ def peft_loop(model_dir: str, rank: int, dtype: str = "float32"):
     """
     import warnings
 
-    from peft import LoraConfig as PeftLora, get_peft_model
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))

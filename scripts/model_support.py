@@ -137,7 +137,7 @@ def _tokenizer():
     """The SmolLM2 tokenizer, loaded once (before forking, in run_all)."""
     from transformers import AutoTokenizer
 
-    from whitney.engine.model import embedded_model_dir
+    from whitney.engine.families.model import embedded_model_dir
 
     if not _TOKENIZER:
         _TOKENIZER.append(AutoTokenizer.from_pretrained(embedded_model_dir()))
@@ -150,9 +150,9 @@ def check_type(model_type: str) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from whitney.engine import Datum, Engine, LoraConfig
-    from whitney.engine.general import TESTED_TYPES
-    from whitney.engine.lora import adaptable_short_names
-    from whitney.engine.model import SUPPORTED_TYPES, load_base_model
+    from whitney.engine.families.general import TESTED_TYPES
+    from whitney.engine.families.lora import adaptable_short_names
+    from whitney.engine.families.model import SUPPORTED_TYPES, load_base_model
     from whitney.errors import InvalidInput, NotFound
     from whitney.protocol.sampling import SamplingParams
 
@@ -243,8 +243,8 @@ def run_all(types: list[str], jobs: int = JOBS, timeout: float = TIMEOUT_S) -> l
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import whitney.engine  # noqa: F401
-    import whitney.engine.general  # noqa: F401
-    import whitney.engine.hf_sampler  # noqa: F401
+    import whitney.engine.families.general  # noqa: F401
+    import whitney.engine.sampling.hf_sampler  # noqa: F401
 
     _tokenizer()
 
@@ -282,7 +282,7 @@ IMAGES = [
     "",
     "## Images",
     "",
-    "Three vision-language families also take image chunks (`whitney/engine/vision.py`), each tested "
+    "Three vision-language families also take image chunks (`whitney/engine/families/vision.py`), each tested "
     "against the Hugging Face model's own forward and `generate` and against a float64 HF + PEFT "
     "reference (`tests/engine/test_vision.py`): `qwen3_5` (Qwen3_5ForConditionalGeneration), `qwen3_vl` "
     "(Qwen3VLForConditionalGeneration, loaded with `AutoModelForImageTextToText`, so not in the table "
@@ -331,9 +331,9 @@ def render(rows: list[dict], seconds: float) -> str:
         "optim_step (finite, non-zero gradients), and greedy sampling against HF `generate`. A tiny config checks "
         "the code path, not a real checkpoint's numbers.",
         "",
-        "- **fast path**: the hand-written decoder (`whitney.engine.model.SUPPORTED_TYPES`).",
+        "- **fast path**: the hand-written decoder (`whitney.engine.families.model.SUPPORTED_TYPES`).",
         "- **general path (tested family)**: the model's own modules with per-row LoRA hooks "
-        "(`whitney.engine.general.TESTED_TYPES`), each family tested against HF and PEFT.",
+        "(`whitney.engine.families.general.TESTED_TYPES`), each family tested against HF and PEFT.",
         "- **general path (works, untested)**: the same path; every check above passes, but no dedicated test.",
         "- **refused**: Whitney's answer at `whitney serve` or run creation (the general path's checks).",
         "- **fails**: loaded, then a check failed (not served correctly: the stage and error).",

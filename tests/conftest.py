@@ -87,6 +87,6 @@ def db_url(request, tmp_path) -> str:
 @pytest.fixture
 def store(db_url):
     """A Store on each kind of database in turn."""
-    from whitney.service.store import Store
+    from whitney.service.store.database import Store
 
     return Store(db_url)

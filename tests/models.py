@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from whitney.engine.model import embedded_model_dir
+from whitney.engine.families.model import embedded_model_dir
 
 VOCAB = 49152
 # The tiny geometry every test model shares (2 layers, hidden 64).

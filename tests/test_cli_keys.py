@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from whitney import cli
-from whitney.service.key_limits import KeyLimits, parse_limit
+from whitney.service.store.key_limits import KeyLimits, parse_limit
 
 
 def serve_limits(*argv: str):

@@ -44,8 +44,8 @@ def test_the_table_lists_every_causal_lm_type_of_the_installed_transformers(rows
 
 
 def test_fast_path_and_tested_rows_are_the_codes_lists(rows, script):
-    from whitney.engine.general import TESTED_TYPES
-    from whitney.engine.model import SUPPORTED_TYPES
+    from whitney.engine.families.general import TESTED_TYPES
+    from whitney.engine.families.model import SUPPORTED_TYPES
 
     fast = {t for t, r in rows.items() if r["support"] == script.FAST}
     tested = {t for t, r in rows.items() if r["support"] == script.TESTED}

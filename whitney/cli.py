@@ -194,8 +194,8 @@ def register_main(model: str) -> int:
     """`whitney models register`: the model's served name made to load offline here (engine/hub_cache.py)."""
     from huggingface_hub import constants
 
-    from whitney.engine import hub_cache
-    from whitney.engine.model import resolve_model_dir
+    from whitney.engine.families import hub_cache
+    from whitney.engine.families.model import resolve_model_dir
     from whitney.errors import WhitneyError
     from whitney.protocol.config import shown_name
 
@@ -316,7 +316,7 @@ def backend_config(args) -> dict:
         model, sep, items = spec.partition("=")
         if not sep or not model:
             raise InvalidInput(f"--worker-resources {spec!r}: write MODEL=cpus:N,gpus:N,RESOURCE:N")
-        from whitney.engine.ray_backend import Placement
+        from whitney.backends.ray.proxy import Placement
 
         resources[model] = Placement.parse_resources(items)
     return dict(backend=args.backend, ray_address=args.ray_address, samplers=args.samplers,
@@ -328,7 +328,7 @@ def backend_config(args) -> dict:
 def add_request_limit_flags(serve: argparse.ArgumentParser) -> None:
     from dataclasses import fields
 
-    from whitney.service.limits import Limits
+    from whitney.service.scheduling.limits import Limits
 
     group = serve.add_argument_group("per-request limits", "beyond each, a request is refused with a 413 that "
                                      "states the limit (shown in /v1/training/capabilities)")
@@ -346,7 +346,7 @@ def request_limits(args):
     from dataclasses import fields
 
     from whitney.errors import InvalidInput
-    from whitney.service.limits import Limits
+    from whitney.service.scheduling.limits import Limits
 
     for d in args.image_dirs:
         if not Path(d).is_dir():
@@ -361,7 +361,7 @@ DEFAULT_DATA_DIR = "~/.local/share/whitney"
 
 def _limit(name: str):
     def limit(value: str) -> int:
-        from whitney.service.key_limits import parse_limit
+        from whitney.service.store.key_limits import parse_limit
 
         return parse_limit(name, value)
     return limit
@@ -370,7 +370,7 @@ def _limit(name: str):
 def add_key_limit_flags(serve: argparse.ArgumentParser) -> None:
     from dataclasses import fields
 
-    from whitney.service.key_limits import KeyLimits
+    from whitney.service.store.key_limits import KeyLimits
 
     group = serve.add_argument_group(
         "API keys and per-key quotas", "Keys are required once --api-key is given, with --require-keys, or when "
@@ -386,7 +386,7 @@ def add_key_limit_flags(serve: argparse.ArgumentParser) -> None:
 
 def key_limits(args):
     """The server's per-key limits: the built-in defaults, then the --limits-file, then the flags."""
-    from whitney.service.key_limits import LIMITS, KeyLimits, limits_from_file
+    from whitney.service.store.key_limits import LIMITS, KeyLimits, limits_from_file
 
     own = limits_from_file(args.limits_file) if args.limits_file else {}
     own.update({name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None})
@@ -394,7 +394,7 @@ def key_limits(args):
 
 
 def add_keys_command(sub) -> None:
-    from whitney.service.key_limits import LIMITS
+    from whitney.service.store.key_limits import LIMITS
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys (a running server sees them within seconds)")
     actions = keys.add_subparsers(dest="action", required=True)
@@ -418,9 +418,9 @@ def keys_main(args) -> int:
     import time
 
     from whitney.errors import NotFound
-    from whitney.service.key_limits import LIMITS
-    from whitney.service.keys import digest_of, new_key
-    from whitney.service.store import Store
+    from whitney.service.store.database import Store
+    from whitney.service.store.key_limits import LIMITS
+    from whitney.service.store.keys import digest_of, new_key
 
     if args.db_url is None:
         data_dir = Path(args.data_dir or DEFAULT_DATA_DIR).expanduser()

@@ -54,7 +54,7 @@ def run_demo(model: str, steps: int = 12, batch_size: int = 4, rank: int = 16, l
     """SFT through the HTTP API; return the loss per completion token of each step."""
     from transformers import AutoTokenizer
 
-    from whitney.engine.model import resolve_model_dir
+    from whitney.engine.families.model import resolve_model_dir
 
     t0 = time.time()
     stop = None

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from whitney.engine import AdamParams, Datum, ForwardRequest, InProcessBackend, LoraConfig, Weights
-from whitney.engine.ray_backend import Placement, RayBackend
+from whitney.backends.ray.proxy import Placement, RayBackend
+from whitney.backends.in_process import InProcessBackend
+from whitney.engine import AdamParams, Datum, ForwardRequest, LoraConfig, Weights
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.backend import Failure
 from whitney.protocol.config import EngineConfig

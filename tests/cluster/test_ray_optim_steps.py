@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.test_ray_backend import CONFIG, data
-from whitney.engine import AdamParams, ForwardRequest, InProcessBackend, LoraConfig
-from whitney.engine.ray_backend import Placement, RayBackend
+from whitney.backends.ray.proxy import Placement, RayBackend
+from whitney.backends.in_process import InProcessBackend
+from whitney.engine import AdamParams, ForwardRequest, LoraConfig
 from whitney.protocol.backend import Failure
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from tests.cluster.test_ray_backend import assert_results_equal, data
 from tests.service.test_flow import until
-from whitney.engine import ForwardRequest, InProcessBackend, LoraConfig
-from whitney.engine.ray_backend import Placement, RayBackend
+from whitney.backends.ray.proxy import Placement, RayBackend
+from whitney.backends.in_process import InProcessBackend
+from whitney.engine import ForwardRequest, LoraConfig
 from whitney.protocol.config import EngineConfig
 
 LORA = LoraConfig(rank=4, alpha=8.0, seed=5)

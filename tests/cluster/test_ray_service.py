@@ -19,11 +19,20 @@ import pytest
 
 from tests.cluster.conftest import ray_config
 from tests.service.conftest import start_server
-from whitney.datums import sft_datum
 from tests.service.test_flow import (  # noqa: F401 (collected again, over this module's server)
-    expect, poll, run_status, sft_batch, succeeded, test_finish_runs_what_is_queued_and_cancels_after_a_gap,
-    test_out_of_order_submission_waits_for_the_gap, test_resume_bound_or_loaded_continues_exactly,
-    test_sampler_versions_are_pinned, test_sft_flow_over_raw_http, until)
+    expect,
+    poll,
+    run_status,
+    sft_batch,
+    succeeded,
+    test_finish_runs_what_is_queued_and_cancels_after_a_gap,
+    test_out_of_order_submission_waits_for_the_gap,
+    test_resume_bound_or_loaded_continues_exactly,
+    test_sampler_versions_are_pinned,
+    test_sft_flow_over_raw_http,
+    until,
+)
+from whitney.datums import sft_datum
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "training" / "http"
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.cluster.test_ray_backend import CONFIG, LORA, assert_results_equal, both, data
-from whitney.engine import AdamParams, ForwardRequest, InProcessBackend, LoraConfig, Weights
-from whitney.engine.ray_backend import Placement, RayBackend
+from whitney.backends.ray.proxy import Placement, RayBackend
+from whitney.backends.in_process import InProcessBackend
+from whitney.engine import AdamParams, ForwardRequest, LoraConfig, Weights
 from whitney.errors import Unavailable
 from whitney.protocol.backend import Failure
 

@@ -10,11 +10,11 @@ from sqlalchemy import text
 
 from tests.service.conftest import start_server
 from whitney.errors import NotFound
-from whitney.service import run_metrics
 from whitney.service.app import ServiceConfig
 from whitney.service.console import configuration, curves_csv, queries
-from whitney.service.lifecycle import OperationKind, OperationStatus, RunStatus
-from whitney.service.store import Store
+from whitney.service.store import run_metrics
+from whitney.service.store.database import Store
+from whitney.service.store.lifecycle import OperationKind, OperationStatus, RunStatus
 
 # A forward_backward's result holds every token's log-prob; the curves must not need them.
 FB_RESULT = {"loss": 12.0, "metrics": {"loss:sum": 12.0, "tokens:sum": 4.0, "ratio:mean": 1.5},

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine import checkpoint as ckpt
+from whitney.engine.training import checkpoint as ckpt
 from whitney.errors import Conflict, InvalidInput, NotFound
 
 HP = {"learning_rate": 3e-2, "weight_decay": 0.1, "gradient_clip_norm": 1.0, "eps": 1e-8}

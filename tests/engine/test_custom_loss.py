@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from tests.engine.test_losses import new_run_id, randomize_B
 from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
-from whitney.engine.custom_loss import MAX_NODES, compile_loss
-from whitney.engine.losses import custom, loss_spec
+from whitney.engine.losses.builtin import custom, loss_spec
+from whitney.engine.losses.custom import MAX_NODES, compile_loss
 from whitney.errors import InvalidInput
 
 # ---- losses a user would write (per datum; traced by the SDK) -------------------------------------

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from whitney.engine import Datum, Engine, LoraConfig, TensorInput
-from whitney.engine.datum import prepare_datum
-from whitney.engine.losses import loss_spec
-from whitney.errors import InvalidInput
 from tests.models import VOCAB
+from whitney.engine import Datum, Engine, LoraConfig, TensorInput
+from whitney.engine.losses.builtin import loss_spec
+from whitney.engine.losses.datum import prepare_datum
+from whitney.errors import InvalidInput
 
 N = 5
 TOKENS = [11, 12, 13, 14, 15]

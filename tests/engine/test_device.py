@@ -16,8 +16,8 @@ import torch
 
 from tests.engine.test_opsd import rows_for_engine, to_datum
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine import model as model_module
-from whitney.engine.model import load_base_model, resolve_compute_dtype, resolve_device
+from whitney.engine.families import model as model_module
+from whitney.engine.families.model import load_base_model, resolve_compute_dtype, resolve_device
 from whitney.errors import InvalidInput
 from whitney.protocol.sampling import SamplingParams
 
@@ -50,7 +50,7 @@ def test_bfloat16_on_a_cpu_without_bfloat16_matmuls_is_warned_of(in_hardware, mo
     """Without AVX-512 BF16 or AMX torch emulates bfloat16 GEMM (about 100x slower than float32): said once,
     when the engine's dtype is resolved; on the GPU, or with the instructions, nothing is said."""
     monkeypatch.setattr(model_module, "cpu_bf16_matmul", lambda: in_hardware)
-    with caplog.at_level("WARNING", logger="whitney.engine.model"):
+    with caplog.at_level("WARNING", logger="whitney.engine.families.model"):
         assert resolve_compute_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
         assert resolve_compute_dtype("bfloat16", torch.device("cuda", 0)) == torch.bfloat16
         assert resolve_compute_dtype("float32", torch.device("cpu")) == torch.float32
@@ -69,7 +69,7 @@ def test_cli_device_flag_reaches_the_engine_config():
 
 
 def test_model_info_reports_the_resolved_device(tiny_llama):
-    from whitney.engine import InProcessBackend
+    from whitney.backends.in_process import InProcessBackend
     from whitney.protocol.config import EngineConfig
 
     backend = InProcessBackend.start(EngineConfig(device="cpu"), [tiny_llama])
@@ -243,8 +243,8 @@ def test_cuda_float32_equals_the_cpu(cpu_bases, cuda_bases, tiny_model, tmp_path
 def test_cuda_forward_matches_hf(cuda_bases, tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from whitney.engine.lora import RowGroups
-    from whitney.engine.transformer import forward_hidden, unembed
+    from whitney.engine.families.lora import RowGroups
+    from whitney.engine.families.transformer import forward_hidden, unembed
 
     base = cuda_bases[tiny_model]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -261,9 +261,9 @@ def test_cuda_forward_matches_hf(cuda_bases, tiny_model):
 @cuda
 @pytest.mark.cuda
 def test_cuda_defaults_to_bfloat16_without_cpu_tricks(tiny_llama, cpu_bases, tmp_path):
-    from whitney.engine import InProcessBackend
-    from whitney.engine.transformer import attention_dtype, prepacked
-    from whitney.engine.unembedding import _packed_lm_head
+    from whitney.backends.in_process import InProcessBackend
+    from whitney.engine.families.transformer import attention_dtype, prepacked
+    from whitney.engine.losses.unembedding import _packed_lm_head
     from whitney.protocol.config import EngineConfig
 
     backend = InProcessBackend.start(EngineConfig(device="cuda"), [tiny_llama])

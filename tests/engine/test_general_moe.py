@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_general_path import (_data, _hf, _randomise_b, _rid, _sequences, peft_lora_grads)
+from tests.engine.test_general_path import _data, _hf, _randomise_b, _rid, _sequences, peft_lora_grads
 from tests.models import make_tiny_general_model
+from whitney.backends.in_process import BYTES_PER_PARAMETER, adapter_bytes, model_info
 from whitney.engine import Engine, LoraConfig
-from whitney.engine.backend import BYTES_PER_PARAMETER, adapter_bytes, model_info
-from whitney.engine.general import forward_hidden
-from whitney.engine.lora import RowGroups
+from whitney.engine.families.general import forward_hidden
+from whitney.engine.families.lora import RowGroups
 from whitney.errors import InvalidInput
 
 MOE_KINDS = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss")

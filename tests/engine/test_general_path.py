@@ -11,8 +11,8 @@ import torch
 
 from tests.models import COMPOSITE_KINDS, GENERAL_KINDS, built_on_first_use, make_tiny_general_model, unique_id
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.lora import adaptable_short_names
-from whitney.engine.model import load_base_model
+from whitney.engine.families.lora import adaptable_short_names
+from whitney.engine.families.model import load_base_model
 from whitney.errors import InvalidInput
 from whitney.protocol.sampling import SamplingParams
 
@@ -403,8 +403,8 @@ def test_concurrent_requests_with_stops_equal_each_alone(engine, general_model):
 def test_fast_path_order_of_paths_is_unchanged(tiny_model):
     """llama/qwen3 keep the hand-written path, and their adapter's paths (which fix the seeded init) stay
     layer by layer in LAYER_PROJECTIONS order, lm_head last."""
-    from whitney.engine.lora import target_module_paths
-    from whitney.engine.model import LAYER_PROJECTIONS, module_path
+    from whitney.engine.families.lora import target_module_paths
+    from whitney.engine.families.model import LAYER_PROJECTIONS, module_path
 
     base = load_base_model(tiny_model)
     assert base.hf is None and len(base.layers) == 2
@@ -418,7 +418,7 @@ def test_fast_path_order_of_paths_is_unchanged(tiny_model):
 def test_a_request_whose_own_pass_fails_fails_alone(engine, model_dirs, monkeypatch):
     """A decode pass failing for one request's cache gives that request the error; the other request,
     running in the same steps, equals it sampled alone."""
-    from whitney.engine import hf_sampler
+    from whitney.engine.sampling import hf_sampler
 
     path = model_dirs("qwen3_5_text")
     run_id = _rid("fail")

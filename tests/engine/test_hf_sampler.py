@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.models import GENERAL_KINDS, make_tiny_general_model
-from whitney.engine import Engine, LoraConfig, hf_sampler
-from whitney.engine.general import decoder
+from whitney.engine import Engine, LoraConfig
+from whitney.engine.families.general import decoder
+from whitney.engine.sampling import hf_sampler
 from whitney.protocol.sampling import SamplingParams
 
 ATOL = 1e-5

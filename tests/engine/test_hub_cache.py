@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
-from whitney.engine import hub_cache
+from whitney.engine.families import hub_cache
 
 
 def test_a_registered_name_loads_offline_from_the_directorys_own_files(tiny_llama, tmp_path):
@@ -53,6 +53,6 @@ def test_names_that_are_no_repo_id_and_unwritable_caches_cost_only_the_name(tiny
     assert not hub_cache.register("my model", Path(tiny_llama), cache)
     assert not cache.exists(), "nothing written for a name no client could ask for"
     cache.write_text("a file where the cache's directory should be")  # unwritable, even for root
-    with caplog.at_level(logging.WARNING, logger="whitney.engine.hub_cache"):
+    with caplog.at_level(logging.WARNING, logger="whitney.engine.families.hub_cache"):
         assert not hub_cache.register("acme/tiny", Path(tiny_llama), cache)
     assert "could not register 'acme/tiny'" in caplog.text

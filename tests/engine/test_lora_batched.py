@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from whitney.engine.lora import Adapter, RowGroups, _batched
+from whitney.engine.families.lora import Adapter, RowGroups, _batched
 from whitney.protocol.training import LoraConfig
 
 IN, OUT = 6, 5
@@ -93,7 +93,8 @@ def test_an_engine_with_batched_deltas_gives_the_loops_numbers(tiny_model, monke
     """The engine end to end with the batched path forced on (as on an accelerator), on the CPU: a mixed
     batch of three runs of different ranks (one without an unembedding adapter), two steps, then a
     multi-run greedy sample: losses and weights to float32 rounding, tokens exactly."""
-    from whitney.engine import Datum, Engine, ForwardRequest, lora
+    from whitney.engine import Datum, Engine, ForwardRequest
+    from whitney.engine.families import lora
     from whitney.protocol.sampling import SamplingParams
     from whitney.protocol.training import AdamParams
 

@@ -23,8 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine import losses
-from whitney.engine.losses import CISPO_DEFAULT_EPS_MAX, LOSSES, loss_spec
+from whitney.engine.losses import builtin as losses
+from whitney.engine.losses.builtin import CISPO_DEFAULT_EPS_MAX, LOSSES, loss_spec
 from whitney.errors import InvalidInput
 
 # ---- shared helpers (test_opsd.py imports these) --------------------------------------------------

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.lora import RowGroups, init_adapter
-from whitney.engine.model import load_base_model
-from whitney.engine.transformer import forward_hidden, unembed
+from whitney.engine.families.lora import RowGroups, init_adapter
+from whitney.engine.families.model import load_base_model
+from whitney.engine.families.transformer import forward_hidden, unembed
 from whitney.errors import NotFound
 
 ATOL = 1e-5

@@ -1,4 +1,4 @@
-"""opsd against a float64 reference written here from the formula in whitney/engine/opsd.py.
+"""opsd against a float64 reference written here from the formula in whitney/engine/losses/opsd.py.
 
 Per row: ce_coef * CE_sum / N_CE + kl_coef * KL_sum / N_KL with CE_sum = -sum_{loss_mask} l_t and
 KL_sum = sum over the K id-paired positions of KL(teacher || student) over the full vocabulary; an
@@ -20,13 +20,11 @@ import math
 import pytest
 import torch
 
-from tests.engine.test_losses import (
-    assert_grads_match, hf64, leaf_adapter64, lora_weights, new_run_id, randomize_B, ref_logits,
-    ref_target_logprobs,
-)
+from tests.engine.test_losses import (assert_grads_match, hf64, leaf_adapter64, lora_weights, new_run_id, randomize_B,
+                                      ref_logits, ref_target_logprobs)
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine import opsd
-from whitney.engine.losses import loss_spec
+from whitney.engine.losses import opsd
+from whitney.engine.losses.builtin import loss_spec
 from whitney.errors import InvalidInput
 
 # ---- function level -------------------------------------------------------------------------------

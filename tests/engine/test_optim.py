@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.optim import OptimizerState, optim_step
+from whitney.engine.training.optim import OptimizerState, optim_step
 from whitney.errors import InvalidInput
 from whitney.protocol.training import AdamParams
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig, optim
-from whitney.engine.backend import InProcessBackend
-from whitney.engine.lora import Adapter, RowGroups, _delta
-from whitney.engine.optim import OptimizerState, optim_step, optim_steps
+from whitney.backends.in_process import InProcessBackend
+from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
+from whitney.engine.families.lora import Adapter, RowGroups, _delta
+from whitney.engine.training import optim
+from whitney.engine.training.optim import OptimizerState, optim_step, optim_steps
 from whitney.protocol.backend import Failure
 from whitney.protocol.training import AdamParams
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from whitney.engine import Datum, Engine, ForwardRequest, InProcessBackend, LoraConfig, page_file, paging
-from whitney.engine.paging import PagedMoments, remove_leftovers
+from whitney.backends.in_process import InProcessBackend
+from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
+from whitney.engine.memory import page_file, paging
+from whitney.engine.memory.paging import PagedMoments, remove_leftovers
 from whitney.errors import Conflict, InvalidInput, NotFound
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SamplingParams

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
-from whitney.engine.passes import activation_bytes_per_token, plan_passes
 from tests.models import VOCAB
+from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
+from whitney.engine.training.passes import activation_bytes_per_token, plan_passes
 
 
 def test_requests_fill_passes_in_order_up_to_the_budget_of_padded_tokens():

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
+from tests.models import VOCAB
+from whitney.backends.in_process import InProcessBackend
 from whitney.cli import add_engine_flags, engine_config
 from whitney.engine import Datum, Engine, ForwardRequest, ForwardResult, LoraConfig
-from whitney.engine.backend import InProcessBackend
-from whitney.engine.model import load_base_model, module_path
+from whitney.engine.families.model import load_base_model, module_path
 from whitney.errors import Conflict, InvalidInput, NotFound
-from tests.models import VOCAB
 
 REL = 1e-5
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -296,7 +296,7 @@ def test_a_training_call_beyond_the_pass_budget_runs_in_passes_each_equal_to_one
     one_grads = {r: grads_of(engine, r) for r in "abc"}
     assert passes == [3]
     # 2**20 // 20: a budget of 20 padded tokens (a: 2 x 9, b: 2 x 12, c: 2 x 7): a, b and c alone
-    monkeypatch.setattr("whitney.engine.runs.activation_bytes_per_token", lambda config, dtype: 2**20 // 20)
+    monkeypatch.setattr("whitney.engine.training.runs.activation_bytes_per_token", lambda config, dtype: 2**20 // 20)
     engine.max_pass_mib = 1
     for r in "abc":
         zero_grads(engine, r)
@@ -350,7 +350,7 @@ def test_mixed_forward_batch_with_base_request_equals_solo(three_runs, tiny_llam
 
 def test_base_request_without_model_name_uses_default(bases, tiny_llama, monkeypatch):
     """run_id None and base_model None mean the default model, in a batch too."""
-    import whitney.engine.runs as runs_mod
+    import whitney.engine.training.runs as runs_mod
 
     monkeypatch.setattr(runs_mod, "DEFAULT_MODEL", tiny_llama)
     engine = new_engine(bases)

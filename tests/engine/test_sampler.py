@@ -8,9 +8,9 @@ import torch
 
 from tests.models import VOCAB
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.lora import RowGroups, init_adapter
-from whitney.engine.model import full_logprobs
-from whitney.engine.transformer import KVCache, decode_hidden, forward_hidden, unembed
+from whitney.engine.families.lora import RowGroups, init_adapter
+from whitney.engine.families.model import full_logprobs
+from whitney.engine.families.transformer import KVCache, decode_hidden, forward_hidden, unembed
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.sampling import SamplingParams, validate
 
@@ -677,7 +677,7 @@ def concerns_bad(x, min_tokens: int) -> bool:
 
 def inject_failure(monkeypatch, name: str, min_tokens: int) -> None:
     """sampler.<name> (a function or a Sampler method) raises whenever called about the bad request."""
-    from whitney.engine import sampler
+    from whitney.engine.sampling import sampler
 
     owner = sampler if hasattr(sampler, name) else sampler.Sampler
     real = getattr(owner, name)

@@ -12,10 +12,10 @@ import torch
 
 from tests.engine.test_sampler import ref_logits
 from tests.models import make_tiny_general_model
+from whitney.backends.in_process import InProcessBackend
 from whitney.engine import Engine
-from whitney.engine.backend import InProcessBackend
-from whitney.engine.hf_sampler import HFSampler
-from whitney.engine.model import full_logprobs
+from whitney.engine.families.model import full_logprobs
+from whitney.engine.sampling.hf_sampler import HFSampler
 from whitney.protocol.backend import Weights
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 

@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from tests.models import VOCAB
 from whitney.engine import Datum, Engine, ForwardRequest, ForwardResult, LoraConfig
-from whitney.engine.lora import RowGroups
-from whitney.engine.model import load_base_model
-from whitney.engine.sharded import ShardedEngine, load_sharded_state, spawn_ranks
-from whitney.engine.transformer import forward_hidden
+from whitney.engine.families.lora import RowGroups
+from whitney.engine.families.model import load_base_model
+from whitney.engine.families.transformer import forward_hidden
+from whitney.engine.training.sharded import ShardedEngine, load_sharded_state, spawn_ranks
 from whitney.errors import Conflict, InvalidInput
 from whitney.protocol.sampling import SamplingParams
 

@@ -6,9 +6,9 @@ gradient known ahead (a linear loss's: taken in the forward pass) or not."""
 import pytest
 import torch
 
-from whitney.engine import unembedding
-from whitney.engine.lora import init_adapter
-from whitney.engine.model import UNEMBED, load_base_model
+from whitney.engine.families.lora import init_adapter
+from whitney.engine.families.model import UNEMBED, load_base_model
+from whitney.engine.losses import unembedding
 from whitney.protocol.training import LoraConfig
 
 

@@ -10,7 +10,7 @@ import torch
 from tests.images import draw_image
 from tests.models import VISION_KINDS, built_on_first_use, make_tiny_vision_model, unique_id
 from whitney.engine import Datum, Engine, LoraConfig
-from whitney.engine.vision import expander
+from whitney.engine.families.vision import expander
 from whitney.protocol.training import ImageInput
 
 ATOL = 1e-5
@@ -86,7 +86,7 @@ def test_loads_the_vision_tower_frozen_and_adapts_the_language_model_only(engine
     assert not any("visual" in p or "vision" in p or "projector" in p or "merger" in p for p in base.linear_shapes)
     # the language model the vision module runs is the very decoder the general path runs (no weight twice)
     assert base.vision.model.language_model is base.hf.get_submodule(base.hf_decoder)
-    from whitney.engine.backend import model_info
+    from whitney.backends.in_process import model_info
 
     assert model_info(base, "m").vision
 
@@ -365,7 +365,7 @@ def test_bfloat16_scores_and_samples_images_close_to_float32(vision_model):
 def test_sampling_validate_counts_an_image_chunk_by_its_expected_tokens(engine, vision_dirs):
     """The service's check of a prompt with chunks (before the engine expands it): token chunks are checked as
     ids, an image counts its expected_tokens against the context."""
-    from whitney.engine.backend import model_info
+    from whitney.backends.in_process import model_info
     from whitney.errors import InvalidInput
     from whitney.protocol.sampling import SamplingParams, validate
 

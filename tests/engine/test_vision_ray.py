@@ -9,7 +9,8 @@ import torch
 
 from tests.engine.test_vision import _chunked, _image, _tokens
 from tests.models import make_tiny_vision_model
-from whitney.engine import Datum, ForwardRequest, InProcessBackend, Weights
+from whitney.backends.in_process import InProcessBackend
+from whitney.engine import Datum, ForwardRequest, Weights
 from whitney.protocol.backend import Failure
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SamplingParams
@@ -20,7 +21,7 @@ CONFIG = EngineConfig(device="cpu", compute_dtype="float32")
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
-    from whitney.engine.ray_backend import Placement, RayBackend
+    from whitney.backends.ray.proxy import Placement, RayBackend
 
     path = str(make_tiny_vision_model(tmp_path_factory.mktemp("vision-ray") / "gemma3", "gemma3"))
     started = not ray.is_initialized()

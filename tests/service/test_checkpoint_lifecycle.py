@@ -1,5 +1,5 @@
 """Checkpoint lifecycle and session labels: the store functions (on SQLite and PostgreSQL) and the native API
-over a real server (whitney.service.packages, projects; routes/checkpoints.py, sessions.py).
+over a real server (whitney.service.store.packages, projects; routes/checkpoints.py, sessions.py).
 
 TTLs end in deletion (files and row) by the server's reaper, never under a load in progress; user_metadata,
 publishing (readable by other keys, never writable), copies between runs and keys (hard links), signed
@@ -20,9 +20,9 @@ from sqlalchemy import inspect, text
 
 from tests.service.test_flow import ADAM, expect, fb_body, succeeded, until
 from whitney.errors import Conflict, NotFound
-from whitney.service import packages, projects
-from whitney.service.lifecycle import OperationKind, OperationStatus
-from whitney.service.store import Store
+from whitney.service.store import packages, projects
+from whitney.service.store.database import Store
+from whitney.service.store.lifecycle import OperationKind, OperationStatus
 
 
 def new_package(store: Store, tmp_path: Path, owner: str = "me", name: str = "ckpt") -> dict:
@@ -342,7 +342,7 @@ def expect_bytes(response: httpx.Response) -> bytes:
 
 def test_sessions_labels_filters_trace_audit_and_whoami(make_server):
     server = make_server(require_keys=True)
-    from whitney.service.keys import digest_of, new_key
+    from whitney.service.store.keys import digest_of, new_key
 
     key = new_key()
     row = server.app.state.whitney.store.create_key(digest_of(key), "alice", {})

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.test_custom_loss import HOSTILE, clipped_is, definition
-from whitney.engine.custom_loss import compile_loss
+from whitney.engine.losses.custom import compile_loss
 from whitney.errors import InvalidInput, NotFound
-from whitney.service import custom_losses
-from whitney.service.store import Store
+from whitney.service.store import custom_losses
+from whitney.service.store.database import Store
 
 RANKS = {"logprobs": 1, "old_logprobs": 1, "advantages": 1}
 

@@ -19,7 +19,7 @@ import sqlalchemy as sql
 
 from tests.service.conftest import start_server
 from whitney.service.app import ServiceConfig
-from whitney.service.limits import Limits
+from whitney.service.scheduling.limits import Limits
 
 VOCAB, CONTEXT, MAX_RANK = 49152, 512, 128
 CODES = {400: "invalid_input", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
@@ -712,7 +712,7 @@ def test_crash_leftovers_are_removed_at_startup(make_server):
 def test_one_failing_sample_fails_alone(srv, monkeypatch):
     """A sample whose own next-token choice raises fails (code internal, category server); the samples in
     flight with it succeed with the tokens they get alone, and the server samples on."""
-    from whitney.engine import sampler
+    from whitney.engine.sampling import sampler
 
     real = sampler.next_tokens
 

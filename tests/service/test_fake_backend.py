@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from whitney.backends.in_process import InProcessBackend
 from whitney.engine import AdamParams, Datum, DatumOutput, ForwardResult
-from whitney.engine.backend import InProcessBackend
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.backend import Backend, Failure, ModelInfo, Weights
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleResult, SamplingParams
-from whitney.service.jobs import ForwardJob, OptimJob, SaveJob
-from whitney.service.scheduler import Scheduler
-from whitney.service.store import Store, digest
+from whitney.service.scheduling.jobs import ForwardJob, OptimJob, SaveJob
+from whitney.service.scheduling.scheduler import Scheduler
+from whitney.service.store.database import Store, digest
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 POISON = 666  # a prompt or datum token the fake refuses

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable

@@ -13,9 +13,9 @@ from tests.service.test_fake_backend import FakeBackend, fb, scheduler_over, wai
 from whitney.engine import AdamParams
 from whitney.protocol.backend import Weights
 from whitney.protocol.sampling import SamplingParams
-from whitney.service.jobs import OptimJob
-from whitney.service.lifecycle import OperationStatus
-from whitney.service.store import Store, digest
+from whitney.service.scheduling.jobs import OptimJob
+from whitney.service.store.database import Store, digest
+from whitney.service.store.lifecycle import OperationStatus
 
 
 def _ops(store: Store, n: int) -> list[dict]:

@@ -17,11 +17,11 @@ from PIL import Image
 from tests.images import draw_image
 from tests.models import make_tiny_vision_model
 from tests.service.conftest import start_server
-from whitney.engine.vision import expander
+from whitney.engine.families.vision import expander
 from whitney.protocol.training import ImageInput
 from whitney.service.app import ServiceConfig
-from whitney.service.limits import Limits
-from whitney.service.projects import owner_operations
+from whitney.service.scheduling.limits import Limits
+from whitney.service.store.projects import owner_operations
 
 # Small limits, so each is reached with small images: 50 kB and 128 x 128 pixels per image, 3 images and 60 kB
 # per request.

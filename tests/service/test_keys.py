@@ -13,8 +13,9 @@ import pytest
 
 from tests.service.test_flow import ADAM, expect, sft_batch, succeeded
 from whitney import cli
-from whitney.service import quotas, schemas
-from whitney.service.key_limits import KeyLimits
+from whitney.service.api.native import schemas
+from whitney.service.store import quotas
+from whitney.service.store.key_limits import KeyLimits
 
 LORA = {"rank": 4, "alpha": 8.0, "seed": 0}
 KEY = "k-config"

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import torch
 
-from whitney.service.limits import Limits
 from tests.models import VOCAB
+from whitney.service.scheduling.limits import Limits
 
 SMALL = Limits(max_operation_tokens=400, max_operation_datums=8, max_metadata_bytes=200, max_stop_sequences=3,
                max_stop_length=10, max_batch_tokens=64)

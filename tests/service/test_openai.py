@@ -25,9 +25,9 @@ from transformers import AutoTokenizer
 
 from tests.service.conftest import start_server
 from whitney.datums import chat_datum, render_chat
+from whitney.service.api.openai import routes as openai_routes
+from whitney.service.api.openai.text import TextStream
 from whitney.service.app import ServiceConfig
-from whitney.service.openai_text import TextStream
-from whitney.service.routes import openai as openai_routes
 
 KEY, OTHER_KEY = "tml-key-of-alice", "tml-key-of-bob"  # tml-: the Tinker SDK takes no other key
 HASHES_TEMPLATE = (
@@ -308,7 +308,7 @@ def test_models_lists_the_keys_newest_sampler_versions_and_checkpoints_up_to_the
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store(request, tmp_path):
-    from whitney.service.store import Store
+    from whitney.service.store.database import Store
 
     if request.param == "sqlite":
         return Store(f"sqlite:///{tmp_path / 'store.db'}")
@@ -319,7 +319,7 @@ def test_the_listing_queries_read_the_newest_live_versions_on_each_database(stor
     """Without HTTP, on SQLite and PostgreSQL (the JSON paths of the join): per owner, newest first, at most
     `limit`; an ended run's version whose package was deleted is left out, an open run's is kept (it samples
     from memory); checkpoints leave out deleted, expired and export packages."""
-    from whitney.service.lifecycle import OperationKind, OperationStatus, RunStatus
+    from whitney.service.store.lifecycle import OperationKind, OperationStatus, RunStatus
 
     def save(owner: str, run_id: str, seq: int, version: int) -> str:
         op, _ = store.submit_operation(owner, run_id, seq, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER, f"d{seq}")

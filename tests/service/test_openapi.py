@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from tests.service.conftest import start_server
-from whitney.service import schemas
+from whitney.service.api.native import schemas
 from whitney.service.app import ServiceConfig
 
 API_MD = Path(__file__).resolve().parents[2] / "docs" / "API.md"

@@ -6,12 +6,20 @@ from __future__ import annotations
 import pytest
 
 from tests.service.test_flow import (  # noqa: F401 (collected again, over this module's server)
-    local, test_api_keys_isolate_owners, test_cancel_run_cancels_waiting_operations,
-    test_client_sft_loss_decreases_and_equals_engine, test_close_session_cancels_its_runs,
-    test_finish_runs_what_is_queued_and_cancels_after_a_gap, test_mixed_run_batch_equals_each_run_alone,
-    test_out_of_order_submission_waits_for_the_gap, test_restart_keeps_results_and_interrupts_runs,
-    test_resume_bound_or_loaded_continues_exactly, test_retry_same_seq_id_is_idempotent,
-    test_sampler_versions_are_pinned, test_sft_flow_over_raw_http)
+    local,
+    test_api_keys_isolate_owners,
+    test_cancel_run_cancels_waiting_operations,
+    test_client_sft_loss_decreases_and_equals_engine,
+    test_close_session_cancels_its_runs,
+    test_finish_runs_what_is_queued_and_cancels_after_a_gap,
+    test_mixed_run_batch_equals_each_run_alone,
+    test_out_of_order_submission_waits_for_the_gap,
+    test_restart_keeps_results_and_interrupts_runs,
+    test_resume_bound_or_loaded_continues_exactly,
+    test_retry_same_seq_id_is_idempotent,
+    test_sampler_versions_are_pinned,
+    test_sft_flow_over_raw_http,
+)
 
 
 @pytest.fixture

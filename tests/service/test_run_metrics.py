@@ -14,10 +14,10 @@ from whitney import Client
 from whitney.client import WhitneyAPIError
 from whitney.datums import sft_datum
 from whitney.errors import InvalidInput, NotFound, TooLarge
-from whitney.service import run_metrics
-from whitney.service.lifecycle import OperationKind, OperationStatus, RunStatus
-from whitney.service.run_metrics import MetricLimits
-from whitney.service.store import Store
+from whitney.service.store import run_metrics
+from whitney.service.store.database import Store
+from whitney.service.store.lifecycle import OperationKind, OperationStatus, RunStatus
+from whitney.service.store.run_metrics import MetricLimits
 
 KEY_A, KEY_B = "tml-metrics-key-a", "tml-metrics-key-b"
 

@@ -15,10 +15,10 @@ from tests.service.test_run_metrics import new_run, optim_step
 from whitney import Client
 from whitney.client import WhitneyAPIError
 from whitney.errors import InvalidInput, NotFound, TooLarge
-from whitney.service import run_samples
-from whitney.service.lifecycle import OperationKind, RunStatus
-from whitney.service.run_samples import SampleLimits
-from whitney.service.store import Store
+from whitney.service.store import run_samples
+from whitney.service.store.database import Store
+from whitney.service.store.lifecycle import OperationKind, RunStatus
+from whitney.service.store.run_samples import SampleLimits
 
 KEY_A, KEY_B = "tml-samples-key-a", "tml-samples-key-b"
 

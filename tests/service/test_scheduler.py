@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from tests.models import VOCAB
+from whitney.backends.in_process import InProcessBackend
 from whitney.engine import AdamParams, Datum, Engine, LoraConfig
-from whitney.engine.backend import InProcessBackend
 from whitney.protocol.backend import Weights
-from whitney.service.jobs import ForwardJob, OptimJob
-from whitney.service.limits import plan_micro_batches
-from whitney.service.scheduler import Scheduler
-from whitney.service.store import Store, digest
+from whitney.service.scheduling.jobs import ForwardJob, OptimJob
+from whitney.service.scheduling.limits import plan_micro_batches
+from whitney.service.scheduling.scheduler import Scheduler
+from whitney.service.store.database import Store, digest
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 

@@ -7,10 +7,10 @@ import pytest
 from sqlalchemy import inspect, text
 
 from whitney.errors import Conflict, NotFound
-from whitney.service.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE, RUN_MOVES,
-                                       RUN_OPEN, RUN_TERMINAL, OperationKind, OperationStatus, RunStatus,
-                                       SessionStatus, sources)
-from whitney.service.store import Store, digest
+from whitney.service.store.database import Store, digest
+from whitney.service.store.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE,
+                                             RUN_MOVES, RUN_OPEN, RUN_TERMINAL, OperationKind, OperationStatus,
+                                             RunStatus, SessionStatus, sources)
 
 
 def new_run(store: Store, owner: str = "me", status: RunStatus = RunStatus.ACTIVE) -> str:

@@ -75,7 +75,7 @@ def test_the_embedded_models_hub_id_loads_offline(tmp_path, monkeypatch):
     import tinker
 
     from bench.common import start_server
-    from whitney.engine.model import embedded_model_dir
+    from whitney.engine.families.model import embedded_model_dir
     from whitney.protocol.config import DEFAULT_MODEL
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -8,15 +8,14 @@ import time
 import httpx
 import numpy as np
 import pytest
-from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.service.conftest import start_server
 from tests.tinker.conftest import API_KEY
 from tests.tinker.helpers import arrays, tinker_data
+from whitney.service.api.tinker import futures, proto
 from whitney.service.app import ServiceConfig
-from whitney.service.tinker import futures, proto
-
 
 PROTO = {"Content-Type": "application/x-protobuf"}
 

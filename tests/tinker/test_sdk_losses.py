@@ -165,7 +165,7 @@ def forward_backward(client, case: str, data: list):
 
 
 def test_every_served_loss_has_a_case():
-    from whitney.engine.losses import LOSSES
+    from whitney.engine.losses.builtin import LOSSES
 
     assert {loss_fn for loss_fn, _, _ in CASES.values()} == set(LOSSES)
 

@@ -18,10 +18,10 @@ from tests.models import make_tiny_vision_model
 from tests.service.conftest import start_server
 from tests.service.test_images_api import png_header_only
 from tests.tinker.helpers import close
-from whitney.engine.vision import expander
+from whitney.engine.families.vision import expander
 from whitney.protocol.training import ImageInput
 from whitney.service.app import ServiceConfig
-from whitney.service.limits import Limits
+from whitney.service.scheduling.limits import Limits
 
 ADAM = dict(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
 

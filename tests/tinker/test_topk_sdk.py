@@ -9,10 +9,10 @@ import pytest
 import tinker
 import torch
 from tinker import types
+from tinker.types.topk_logprobs import MASK_LOGPROB
 from transformers import AutoModelForCausalLM
 
 import whitney
-from tinker.types.topk_logprobs import MASK_LOGPROB
 
 PROMPT = [1, 17, 250, 4000, 12, 99, 3030, 777]
 ATOL = 2e-5  # float32 on the wire against the float64 reference

@@ -1,8 +1,8 @@
 """Whitney's engine: tensors only (torch + transformers), no HTTP, no database.
 
 Public API (with the plain data of whitney/protocol that its calls take and return):
-  InProcessBackend       the Backend (protocol/backend.py) over an Engine in this process; Backend,
-                         EngineConfig, ModelInfo, Weights, Failure
+  Backend, EngineConfig, ModelInfo, Weights, Failure   the protocol (whitney/protocol); InProcessBackend, the
+                         Backend over an Engine in this process, is whitney/backends/in_process.py
   Engine                 base models and runs; forward, forward_backward, run_batch, optim_step,
                          compute_logprobs, save_weights_for_sampler, save_state, load_state,
                          export_lora, save_weights
@@ -19,15 +19,14 @@ K soft-target candidates per position, M teacher-stream tokens (opsd), D hidden 
 r LoRA rank. Losses are summed over tokens, never averaged (opsd: summed over rows of per-row means).
 """
 
-from whitney.engine.backend import InProcessBackend
-from whitney.engine.losses import LOSS_NAMES
-from whitney.engine.losses import describe as describe_losses
-from whitney.engine.runs import Engine
+from whitney.engine.losses.builtin import LOSS_NAMES
+from whitney.engine.losses.builtin import describe as describe_losses
+from whitney.engine.training.runs import Engine
 from whitney.protocol.backend import Backend, Failure, ModelInfo, Weights
 from whitney.protocol.config import DEFAULT_MODEL, EngineConfig
 from whitney.protocol.training import (AdamParams, Datum, DatumOutput, ForwardRequest, ForwardResult, LoraConfig,
                                        TensorInput, merge_results)
 
 __all__ = ["AdamParams", "Backend", "DEFAULT_MODEL", "Datum", "DatumOutput", "Engine", "EngineConfig", "Failure",
-           "ForwardRequest", "ForwardResult", "InProcessBackend", "LOSS_NAMES", "LoraConfig", "ModelInfo",
+           "ForwardRequest", "ForwardResult", "LOSS_NAMES", "LoraConfig", "ModelInfo",
            "TensorInput", "Weights", "describe_losses", "merge_results"]

@@ -18,20 +18,22 @@ from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailab
 from whitney.protocol.backend import Backend, BackendSpec
 from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, shown_name
 from whitney.protocol.files import remove_leftovers
-from whitney.service import handlers, schemas, tinker
-from whitney.service.bodies import read_body, replaying
+from whitney.service.api import tinker
+from whitney.service.api.native import (capabilities, checkpoints, custom_losses, operations, run_metrics, run_samples,
+                                        sampling, schemas, sessions)
+from whitney.service.api.openai import routes as openai
 from whitney.service.console import create_console
-from whitney.service.deps import ServiceState, Unauthorized, new_app
-from whitney.service.key_limits import KeyLimits
-from whitney.service.keys import KeyGate, KeyRing
-from whitney.service.limits import Limits
-from whitney.service.metrics import Metrics
-from whitney.service.quotas import QuotaExceeded, Quotas
-from whitney.service.routes import (capabilities, checkpoints, custom_losses, openai, operations, run_metrics,
-                                    run_samples, sampling, sessions)
-from whitney.service.scheduler import Scheduler
-from whitney.service.store import Store
-from whitney.service.text import TextCheck
+from whitney.service.http import handlers
+from whitney.service.http.bodies import read_body, replaying
+from whitney.service.http.deps import ServiceState, Unauthorized, new_app
+from whitney.service.http.metrics import Metrics
+from whitney.service.http.text import TextCheck
+from whitney.service.scheduling.limits import Limits
+from whitney.service.scheduling.scheduler import Scheduler
+from whitney.service.store.database import Store
+from whitney.service.store.key_limits import KeyLimits
+from whitney.service.store.keys import KeyGate, KeyRing
+from whitney.service.store.quotas import QuotaExceeded, Quotas
 
 log = logging.getLogger("whitney.service")
 STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429,

@@ -28,7 +28,7 @@ from whitney.service.console import pages
 from whitney.service.console.auth import SignIn, wants_page
 from whitney.service.console.pages import templates
 from whitney.service.console.server import Throughput
-from whitney.service.deps import ServiceState, new_app
+from whitney.service.http.deps import ServiceState, new_app
 
 HERE = Path(__file__).resolve().parent
 # Scripts only from our own files (no inline script, no other origin); the playground's requests go to

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from whitney.service.keys import Unauthorized, presented_key
+from whitney.service.store.keys import Unauthorized, presented_key
 
 COOKIE = "whitney_console_key"  # Path=/console, SameSite=Strict; the playground's script reads it for /v1 calls
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from whitney.service.lifecycle import OperationKind
-from whitney.service.store import OperationRow, Store
+from whitney.service.store.database import OperationRow, Store
+from whitney.service.store.lifecycle import OperationKind
 
 WINDOW = 1000  # the newest operations of each kind whose config is read
 SHOWN = 6  # distinct values listed for a setting that is not a number

@@ -17,10 +17,10 @@ import csv
 import io
 from typing import Iterator
 
-from whitney.service import run_metrics
 from whitney.service.console import queries
-from whitney.service.lifecycle import OperationKind
-from whitney.service.store import Store
+from whitney.service.store import run_metrics
+from whitney.service.store.database import Store
+from whitney.service.store.lifecycle import OperationKind
 
 HEADER = ("source", "seq_id", "step", "name", "value", "time")
 PAGE = 5000

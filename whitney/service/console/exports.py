@@ -13,8 +13,8 @@ import asyncio
 
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.training import LoraConfig
-from whitney.service.deps import ServiceState
-from whitney.service.store import new_id
+from whitney.service.http.deps import ServiceState
+from whitney.service.store.database import new_id
 
 EXPORTABLE = ("state", "sampler")
 

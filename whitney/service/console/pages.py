@@ -20,15 +20,15 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Stre
 from fastapi.templating import Jinja2Templates
 
 from whitney.errors import Conflict
-from whitney.service import run_metrics, run_samples
+from whitney.service.api.native import checkpoints
 from whitney.service.console import configuration, curves_csv, queries
 from whitney.service.console.auth import COOKIE, SignIn, viewer
 from whitney.service.console.exports import EXPORTABLE, export_peft
 from whitney.service.console.server import server_view
-from whitney.service.deps import ServiceState
-from whitney.service.keys import Unauthorized
-from whitney.service.lifecycle import OPERATION_PENDING, RUN_LIVE, RUN_OPEN
-from whitney.service.routes import checkpoints
+from whitney.service.http.deps import ServiceState
+from whitney.service.store import run_metrics, run_samples
+from whitney.service.store.keys import Unauthorized
+from whitney.service.store.lifecycle import OPERATION_PENDING, RUN_LIVE, RUN_OPEN
 
 Viewer = Annotated[str, Depends(viewer)]
 SPARKLINES = 50  # the newest runs whose recent losses the runs list draws

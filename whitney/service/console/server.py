@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 from whitney.service.console import queries
-from whitney.service.deps import ServiceState
+from whitney.service.http.deps import ServiceState
 
 HISTORY_SECONDS = 600.0
 PERIOD = 2.0  # seconds between two readings

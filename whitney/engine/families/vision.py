@@ -1,0 +1,249 @@
+"""Images in: a datum's image chunks expanded into the model's own placeholder positions, and passes that carry them.
+
+A vision-language checkpoint (Qwen3.5 `qwen3_5`, Qwen3-VL `qwen3_vl`, Gemma 3 `gemma3`) saved with its image
+processor is loaded whole: `BaseModel.hf` stays the causal LM the general path runs (for Qwen3.5 the text-only
+Qwen3_5ForCausalLM, exactly as before), and `BaseModel.vision` holds the checkpoint's inner multimodal module
+(vision tower, projector or merger, and the very same language-model modules), frozen, in the compute dtype.
+LoRA adapts the language model's linears only: the vision tower and the projector are not adaptable (naming
+them in target_modules is refused like any unknown module).
+
+An image chunk occupies exactly the positions of the model's image placeholder token, as many as its processor
+makes of that image (see docs/MODELS.md, "Images"):
+  qwen3_5, qwen3_vl  (grid_t * grid_h * grid_w) / merge_size^2 positions of <|image_pad|>; the
+                     <|vision_start|> and <|vision_end|> around it are text the client writes
+  gemma3             mm_tokens_per_image positions of <image_soft_token>; <start_of_image>, <end_of_image>
+                     (and the processor's blank lines) are text the client writes
+This is the Tinker SDK's `ModelInput.length` convention (an image counts its `expected_tokens`). A token chunk
+may not hold the placeholder id itself (it would take an image's place).
+
+A pass with image rows runs the inner module's own forward: its image features scattered at the placeholder
+positions (`get_image_features`), Qwen's 3-D mrope positions from its own `get_rope_index` (passed explicitly,
+so the module's cached `rope_deltas` are never read), Qwen3-VL's deepstack features, and Gemma 3's bidirectional
+attention within an image block from `token_type_ids` (the model's own mask functions). Text rows of the same
+batch get the same numbers as alone: positions of text are 0..T-1 and padding stays on the right.
+
+Shape legend: B rows, T positions, I images of a pass, P patches of an image, D hidden.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+
+from whitney.engine.families.general import adapted
+from whitney.engine.families.lora import RowGroups
+from whitney.engine.families.model import BaseModel
+from whitney.errors import InvalidInput
+from whitney.protocol.config import shown_name
+from whitney.protocol.training import ImageInput
+
+FORMATS = {"png": "PNG", "jpeg": "JPEG"}
+FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3")  # tested in tests/engine/test_vision.py; others are served as text
+FIELD = "model_input"
+
+
+@dataclass
+class VisionModel:
+    """What a base model needs to take images: its inner multimodal module and its image processor."""
+
+    family: str  # "qwen" (3-D mrope positions, a rope delta per row) | "gemma3" (bidirectional image blocks)
+    model: torch.nn.Module  # Qwen3_5Model / Qwen3VLModel / Gemma3Model; its language model is base.hf's decoder
+    image_processor: object
+    image_token_id: int
+    tokens_per_image: int | None = None  # gemma3: fixed; qwen: from each image's grid
+
+
+@dataclass
+class ProcessedImage:
+    """One image after the model's processor, and where it sits in its expanded sequence."""
+
+    pixel_values: torch.Tensor  # qwen: [P, C * temporal_patch * patch^2]; gemma3: [1, 3, H, W]
+    grid_thw: torch.Tensor | None  # qwen: [3] patches in time, height, width; gemma3: None
+    tokens: int  # positions it occupies
+    start: int = 0  # its first position in the expanded sequence
+
+
+def load_vision(path, hf: torch.nn.Module, compute_dtype: torch.dtype, device) -> VisionModel | None:
+    """The vision side of a checkpoint at `path` whose config has a vision tower and whose directory has an image
+    processor, else None (served as text only). `hf` is the loaded causal LM (already on `device`): when it is the
+    text model alone (Qwen3.5), the full checkpoint is read and its language model replaced by hf's (the duplicate
+    and the full model's head are freed), so no text weight is held twice."""
+    cfg = hf.config
+    if not any((path / f).exists() for f in ("preprocessor_config.json", "processor_config.json")):
+        return None
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText
+
+    full_cfg = AutoConfig.from_pretrained(path)
+    if getattr(full_cfg, "vision_config", None) is None or full_cfg.model_type not in FAMILIES:
+        return None
+    if getattr(cfg, "vision_config", None) is not None:  # hf is the whole multimodal model (Gemma 3, Qwen3-VL)
+        inner = hf.model
+    else:  # Qwen3.5: read the whole checkpoint, then share hf's text modules
+        full = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        inner = full.model
+        inner.language_model = hf.model
+        inner.to(device=device, dtype=compute_dtype)
+    for p in inner.parameters():
+        p.requires_grad_(False)
+    inner.eval()
+    processor = AutoImageProcessor.from_pretrained(path)
+    if full_cfg.model_type == "gemma3":
+        return VisionModel("gemma3", inner, processor, full_cfg.image_token_id, full_cfg.mm_tokens_per_image)
+    return VisionModel("qwen", inner, processor, full_cfg.image_token_id)
+
+
+def _subject(index: int | None) -> str:
+    return "prompt" if index is None else f"datum {index}"
+
+
+def _field(index: int | None) -> str:
+    return "prompt" if index is None else FIELD
+
+
+class ImageExpander:
+    """Expands a datum's image chunks for one base model (or refuses them: a model without a vision tower)."""
+
+    def __init__(self, base: BaseModel):
+        self.name = base.name
+        self.vision: VisionModel | None = base.vision
+
+    @property
+    def placeholder(self) -> int | None:
+        """The image placeholder token id (not allowed in token chunks), None for a text model."""
+        return self.vision.image_token_id if self.vision else None
+
+    def expand(self, image, index: int | None, chunk: int) -> ProcessedImage:
+        """Decode chunk `chunk` of datum `index` (None: of a sampling prompt) with Pillow and run the model's image
+        processor on it."""
+        where = f"{_subject(index)}: chunk {chunk}"
+        if self.vision is None:
+            raise InvalidInput(f"{where}: base model {shown_name(self.name)!r} takes no images", field=FIELD,
+                               datum_index=index)
+        if not isinstance(image, ImageInput) or not isinstance(image.data, (bytes, bytearray)):
+            raise InvalidInput(f"{where}: an image chunk must hold encoded bytes", field=_field(index),
+                               datum_index=index)
+        if image.format not in FORMATS:
+            raise InvalidInput(f"{where}: image format must be one of {sorted(FORMATS)}, got {image.format!r}",
+                               field=_field(index), datum_index=index)
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(bytes(image.data))) as decoded:
+                found = decoded.format
+                rgb = decoded.convert("RGB")  # reads every pixel: a truncated file fails here
+        except Exception as e:  # Pillow raises many kinds for corrupt data
+            raise InvalidInput(f"{where}: the image cannot be decoded as {image.format} ({type(e).__name__})",
+                               field=_field(index), datum_index=index) from None
+        if found != FORMATS[image.format]:
+            raise InvalidInput(f"{where}: the image is declared {image.format} but its bytes are {found}",
+                               field=_field(index), datum_index=index)
+        out = self.vision.image_processor(images=[rgb], return_tensors="pt")
+        if self.vision.family == "qwen":
+            grid = out["image_grid_thw"][0]  # [3]
+            merge = int(self.vision.image_processor.merge_size)
+            processed = ProcessedImage(out["pixel_values"], grid, int(grid.prod()) // merge ** 2)
+        else:
+            processed = ProcessedImage(out["pixel_values"], None, int(self.vision.tokens_per_image))
+        if image.expected_tokens is not None and image.expected_tokens != processed.tokens:
+            raise InvalidInput(f"{where}: expected_tokens is {image.expected_tokens}, but the model's processor "
+                               f"expands this image to {processed.tokens} positions", field=_field(index),
+                               datum_index=index)
+        return processed
+
+    def flatten(self, seq, index: int | None) -> tuple[list[int], list[ProcessedImage]]:
+        """A sequence (datum `index`, or a sampling prompt: None) given as token ids or chunks, as expanded token ids
+        (placeholders at image positions) and its processed images (each with its start); token ids are checked
+        later, where the caller checks ints."""
+        if not isinstance(seq, (list, tuple)):
+            return seq, []
+        if not any(isinstance(c, (list, tuple, ImageInput)) for c in seq):
+            seq = [seq]  # flat token ids: one token chunk
+        flat: list = []
+        images: list[ProcessedImage] = []
+        for c, chunk in enumerate(seq):
+            if isinstance(chunk, ImageInput):
+                image = self.expand(chunk, index, c)
+                image.start = len(flat)
+                flat.extend([self.placeholder] * image.tokens)
+                images.append(image)
+            elif isinstance(chunk, (list, tuple)):
+                if self.placeholder is not None and self.placeholder in chunk:
+                    raise InvalidInput(f"{_subject(index)}: token ids hold {self.placeholder}, the model's "
+                                       "image placeholder; send the image as an image chunk", field=_field(index),
+                                       datum_index=index)
+                flat.extend(chunk)
+            else:
+                raise InvalidInput(f"{_subject(index)}: chunk {c} must be a list of token ids or an image",
+                                   field=_field(index), datum_index=index)
+        return flat, images
+
+
+def expander(base: BaseModel) -> ImageExpander:
+    return ImageExpander(base)
+
+
+def _model_inputs(base: BaseModel, tokens: torch.Tensor, images: list[list[ProcessedImage]]) -> dict:
+    """The inner module's keyword arguments for right-padded tokens [B, T] whose rows hold `images` (per row, in
+    position order): pixel values of all I images in row-major order, and Qwen's image grids [I, 3] and mrope
+    positions [3, B, T], or Gemma 3's token types [B, T] (1 on image positions)."""
+    vision, dev = base.vision, tokens.device
+    flat = [im for row in images for im in row]
+    pixels = torch.cat([im.pixel_values for im in flat]).to(dev, dtype=base.compute_dtype)
+    is_image = (tokens == vision.image_token_id).long()  # [B, T]
+    if vision.family == "gemma3":
+        return dict(pixel_values=pixels, token_type_ids=is_image)
+    grid = torch.stack([im.grid_thw for im in flat]).to(dev)  # [I, 3]
+    positions, _ = vision.model.get_rope_index(tokens, mm_token_type_ids=is_image, image_grid_thw=grid)
+    return dict(pixel_values=pixels, image_grid_thw=grid, position_ids=positions)
+
+
+def forward_hidden(base: BaseModel, tokens: torch.Tensor, images: list[list[ProcessedImage]], groups: RowGroups,
+                   cache=None) -> torch.Tensor:
+    """Final-norm hidden states [B, T, D] of right-padded tokens [B, T] whose rows hold `images` (some rows
+    none), each row with its group's adapter, through the inner module's own forward; with `cache` (a model
+    cache, empty: a prefill) the cache is filled in place."""
+    kwargs = _model_inputs(base, tokens, images)
+    with adapted(base, groups):
+        out = base.vision.model(input_ids=tokens, cache=cache, use_cache=cache is not None, **kwargs)
+    return out.last_hidden_state
+
+
+def rope_deltas(base: BaseModel, tokens: torch.Tensor, images: list[ProcessedImage]) -> int:
+    """How far a Qwen row's next mrope position is ahead of its length once `images` are in its tokens [T]
+    (negative: an image's positions advance by its largest side, not its token count); 0 for Gemma 3."""
+    if base.vision is None or base.vision.family != "qwen" or not images:
+        return 0
+    kwargs = _model_inputs(base, tokens[None, :], [images])
+    return int(kwargs["position_ids"].max()) + 1 - int(tokens.shape[0])
+
+
+def image_positions(length: int, images: list[ProcessedImage]) -> torch.Tensor:
+    """[length] bool: True at the positions the images occupy."""
+    mask = torch.zeros(length, dtype=torch.bool)
+    for im in images:
+        mask[im.start:im.start + im.tokens] = True
+    return mask
+
+
+def logprob_datum(expand: ImageExpander, seq, index: int):
+    """compute_logprobs' datum for one sequence of N positions, and where its images are ([N] bools). Token ids:
+    inputs s[:-1], targets s[1:] (as ever). With image chunks: the whole expanded sequence is the input (an image
+    cannot be cut), its targets the ids shifted by one, the last position's (nothing to predict) repeating the
+    last id; `sequence_logprobs` drops it."""
+    from whitney.protocol.training import Datum
+
+    if not (isinstance(seq, list) and any(isinstance(c, ImageInput) for c in seq)):
+        if isinstance(seq, list) and seq and all(isinstance(c, list) for c in seq):
+            seq = [t for c in seq for t in c]  # token chunks only
+        return Datum(seq[:-1] or seq, {"target_tokens": seq[1:] or seq}), [False] * len(seq)
+    flat, images = expand.flatten(seq, index)
+    return Datum(seq, {"target_tokens": flat[1:] + flat[-1:]}), image_positions(len(flat), images).tolist()
+
+
+def sequence_logprobs(logprobs: list[float], images: list[bool]) -> list[float | None]:
+    """A sequence's log-probs [N] from its datum's ([N - 1], or [N] with the last dropped): None first (no
+    context) and where an image's position would be predicted (the model predicts no image)."""
+    n = len(images)
+    return [None] + [None if images[t + 1] else lp for t, lp in enumerate(logprobs[:n - 1])]

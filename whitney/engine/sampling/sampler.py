@@ -1,0 +1,397 @@
+"""Sampling: continuous batching over a KV cache, per-request seeds, mixed adapters in one batch.
+
+`Sampler` (one per base model) holds a queue and a running batch. `step()` admits queued requests
+that fit the memory limits (prefilling each prompt once and copying its cache into `num_samples`
+rows), then runs one decode step for every running row; a finished sequence leaves at once. The
+caller decides when to step, so training and sampling interleave at decode-step granularity.
+
+Failures: a request whose own work fails (its prefill, its next-token choice, its stop check) gets
+the exception in `error` and leaves the batch alone; the others go on unchanged (their generators are
+drawn exactly as if it had never been there). Only a failing shared pass (the decode forward) raises.
+
+Log-probs: each generated token's log-prob is log_softmax(logits) of the model at temperature 1,
+whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
+training `forward` give for that token, which is what an importance ratio against the learner needs.
+
+Streaming: a request submitted with `stream` keeps the tokens (and log-probs) its rows chose since the last
+`take_progress()`, for a caller to hand on while it runs; the final `result` holds every token either way.
+
+Devices: the cache, the batch and every choice live on the base model's device; each row's generator
+is a CPU generator on every device (one float64 uniform per row per token, copied to the device as one
+[B] tensor): a CUDA generator would cost a kernel and a synchronisation per row per step, and the CPU
+one draws the same uniforms whatever the device.
+
+Shape legend: B running rows, P prompt length, V vocabulary, E head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from whitney.engine.families import vision
+from whitney.engine.families.lora import Adapter, RowGroups
+from whitney.engine.families.model import BaseModel, full_logprobs
+from whitney.engine.families.transformer import KVCache, decode_hidden, forward_hidden, unembed
+from whitney.engine.sampling.prompt_scores import score_prompt
+from whitney.errors import check
+from whitney.protocol.config import EngineConfig
+from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleResult, SamplingParams, validate
+
+
+@dataclass
+class SampleRequest:
+    """A validated request and its progress. `adapter` None samples the base model."""
+
+    prompt: list[int]
+    params: SamplingParams
+    adapter: Adapter | None
+    stop_ids: set[int] = field(default_factory=set)
+    stop_seqs: list[list[int]] = field(default_factory=list)
+    stop_strs: list[str] = field(default_factory=list)
+    result: SampleResult | None = None
+    pending: int = 0  # rows still running
+    error: Exception | None = None  # this request alone failed; its rows have left the batch
+    stream: bool = False  # keep what is chosen for `take_progress` (set before its first step)
+    images: list = field(default_factory=list)  # the prompt's vision.ProcessedImage, in position order
+    fresh: SampleProgress | None = None  # chosen since the last take_progress
+
+    def take_progress(self) -> SampleProgress | None:
+        """The tokens chosen since the last call (None when there are none), and start afresh."""
+        fresh, self.fresh = self.fresh, None
+        return fresh
+
+    def _note(self, index: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
+        if self.fresh is None:
+            n = self.params.num_samples
+            self.fresh = SampleProgress([[] for _ in range(n)], [[] for _ in range(n)],
+                                        [[] for _ in range(n)] if self.params.top_logprobs else None)
+        self.fresh.tokens[index].append(token)
+        self.fresh.logprobs[index].append(logprob)
+        if self.fresh.top_logprobs is not None:
+            self.fresh.top_logprobs[index].append(top)
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or (self.result is not None and self.pending == 0)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.params.num_samples * (len(self.prompt) + self.params.max_tokens)
+
+
+@dataclass
+class _Row:
+    request: SampleRequest
+    index: int  # which of the request's samples
+    generator: torch.Generator  # on the CPU (see the module docstring)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when the request asks for them
+
+
+def _draws(p: SamplingParams) -> bool:
+    """Whether a row samples (one uniform per token) rather than taking the argmax."""
+    return p.temperature > 0 and p.top_k != 1
+
+
+def uniforms(rows: list[_Row]) -> torch.Tensor:
+    """[B] float64 on the CPU: one uniform in [0, 1) from each sampling row's own generator; greedy rows draw
+    none (0)."""
+    return torch.tensor([torch.rand(1, generator=r.generator, dtype=torch.float64, device="cpu").item()
+                         if _draws(r.request.params) else 0.0 for r in rows], dtype=torch.float64, device="cpu")
+
+
+def next_tokens(logits: torch.Tensor, rows: list[_Row], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of each row from logits [B, V] with that row's own settings and uniform u [B].
+
+    Greedy rows (temperature 0 or top_k 1) take the argmax. The others are sampled together: scale by
+    temperature, keep each row's top_k and top_p nucleus, then invert the row's CDF at the row's
+    uniform (drawn from its own generator by `uniforms`), so a row's choice never depends on the rest
+    of the batch. Returns tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1),
+    on the logits' device.
+    """
+    dev = logits.device
+    logprobs = full_logprobs(logits)  # [B, V]
+    chosen = torch.argmax(logits, dim=-1)  # [B]
+    params = [r.request.params for r in rows]
+    sampled = [b for b, p in enumerate(params) if _draws(p)]
+    if sampled:
+        idx = torch.tensor(sampled, device=dev)
+        scores = logits.float() if len(sampled) == len(rows) else logits[idx].float()  # [S, V]
+        temps = torch.tensor([params[b].temperature for b in sampled], dtype=torch.float32, device=dev)
+        # Max subtracted first so that a tiny temperature cannot overflow to inf.
+        scores = scores - scores.max(-1, keepdim=True).values
+        if bool((temps != 1).any()):
+            scores = scores / temps.clamp(min=1e-30)[:, None]
+        ks = torch.tensor([params[b].top_k if params[b].top_k > 1 else 0 for b in sampled], device=dev)
+        if bool((ks > 0).any()):
+            top = torch.topk(scores, int(ks.max()), dim=-1).values  # [S, kmax]
+            kth = top.gather(1, (ks - 1).clamp(min=0)[:, None])  # [S, 1]
+            kth = torch.where(ks[:, None] > 0, kth, torch.full_like(kth, -math.inf))
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        probs = torch.softmax(scores, dim=-1).double()  # [S, V]
+        top_ps = torch.tensor([params[b].top_p for b in sampled], dtype=torch.float64, device=dev)
+        if bool((top_ps < 1).any()):
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            drop = (torch.cumsum(sorted_p, -1) - sorted_p) >= top_ps[:, None]
+            probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        cdf = torch.cumsum(probs, dim=-1)  # [S, V], unnormalised: u is scaled to each row's total instead
+        u = u.to(dev)[idx]  # [S]
+        # right=True: the first token whose cumulative mass exceeds u; a zero-probability token never is.
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+        chosen[idx] = picks
+    return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
+
+
+class Sampler:
+    """The running batch and the queue of one base model. Drive it with `step()` until idle."""
+
+    def __init__(self, base: BaseModel, max_sequences: int = EngineConfig.max_sequences,
+                 max_cached_tokens: int = EngineConfig.max_cached_tokens,
+                 max_prefill_tokens: int = EngineConfig.max_prefill_tokens):
+        self.base = base
+        self.max_sequences = max_sequences
+        self.max_cached_tokens = max_cached_tokens
+        # Prompt tokens prefilled in one step (at least one request): many long prompts arriving at once
+        # are admitted over several steps, so one step never holds the caller for long.
+        self.max_prefill_tokens = max_prefill_tokens
+        self.queue: list[SampleRequest] = []
+        self.rows: list[_Row] = []
+        self.cache = KVCache.empty(base)
+        self.device = base.device  # the cache, the batch and the choices; generators stay on the CPU
+        self._pending_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] last sampled, not cached
+        self._top: dict[int, list[tuple[int, float]]] = {}  # the last _choose's rows' top alternatives, if asked
+
+    def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> SampleRequest:
+        """Validate and queue a request; it runs on the next steps. Excess requests wait, never fail."""
+        prompt, images = vision.expander(self.base).flatten(prompt, None)  # image chunks: placeholder positions
+        validate(prompt, params, self.base.config, self.max_sequences)
+        stop = params.stop
+        request = SampleRequest(list(prompt), params, adapter, images=images)
+        if stop is None:
+            request.stop_ids = set(self.base.eos_token_ids)
+        else:
+            for s in stop:
+                if isinstance(s, str):
+                    request.stop_strs.append(s)
+                elif isinstance(s, int):
+                    request.stop_ids.add(s)
+                else:
+                    request.stop_seqs.append(list(s))
+        check(request.reserved_tokens <= self.max_cached_tokens, f"num_samples x (prompt + max_tokens) = "
+              f"{request.reserved_tokens} tokens exceeds this server's cache of {self.max_cached_tokens}",
+              field="max_tokens")
+        self.queue.append(request)
+        return request
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.rows
+
+    def step(self) -> None:
+        """Admit what fits, then one decode step for every running row."""
+        with torch.no_grad():
+            self._admit()
+            if self.rows:
+                self._decode()
+
+    def _reserved(self) -> int:
+        return sum(len(r.request.prompt) + r.request.params.max_tokens for r in self.rows)
+
+    def _admit(self) -> None:
+        admitted, rows, tokens, prefill = [], len(self.rows), self._reserved(), 0
+        while self.queue:
+            req = self.queue[0]
+            if rows + req.params.num_samples > self.max_sequences or tokens + req.reserved_tokens > self.max_cached_tokens:
+                break
+            if admitted and prefill + len(req.prompt) > self.max_prefill_tokens:
+                break
+            admitted.append(self.queue.pop(0))
+            rows, tokens = rows + req.params.num_samples, tokens + req.reserved_tokens
+            prefill += len(req.prompt)
+        if admitted:
+            self._prefill(admitted)
+
+    def _prefill(self, requests: list[SampleRequest]) -> None:
+        """Run each prompt once; copy its cache into num_samples rows; sample each row's first token.
+
+        If the shared prompt pass fails, each request is prefilled alone, so only the one whose own pass
+        fails gets the error. A request failing in its own unembedding or prompt log-probs gets the error
+        and no rows; one failing its first choice gets the error and its rows leave at once (_record). The
+        others are admitted as if it had not been there.
+        """
+        P = max(len(r.prompt) for r in requests)
+        tokens = torch.zeros(len(requests), P, dtype=torch.int64, device="cpu")
+        for i, r in enumerate(requests):
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.int64, device="cpu")
+        tokens = tokens.to(self.device)  # filled on the CPU, one copy to the device
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            hidden = forward_hidden(self.base, tokens, RowGroups([(i, i + 1, r.adapter) for i, r in
+                                                                  enumerate(requests)]), kv_out=kv)  # [R, P, D]
+        except Exception as e:
+            if len(requests) == 1:
+                requests[0].error = e
+            else:
+                for r in requests:
+                    self._prefill([r])
+            return
+        admitted = self._first_tokens(requests, hidden)
+        if admitted is None:
+            return
+        rows, copies, chosen, lps = admitted
+        index = torch.tensor(copies, device=self.device)
+        lengths = torch.tensor([len(requests[i].prompt) for i in copies], device=self.device)
+        self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
+        self._add_rows(rows, chosen, lps)
+
+    def _first_tokens(self, requests: list[SampleRequest], hidden: torch.Tensor):
+        """From the prompts' hidden states [R, P, D] (right-padded): prompt scores when asked, and (rows, the prompt
+        each row copies its cache row from, first tokens [n], their log-probs [n]), or None if no request is
+        admitted. A request failing its unembedding or prompt scores gets the error and no rows."""
+        new_rows, first_logits, copies = [], [], []
+        for i, r in enumerate(requests):
+            n, p = r.params.num_samples, len(r.prompt)
+            want_all = r.params.scores_prompt
+            try:
+                h = hidden[i, :p] if want_all else hidden[i, p - 1:p]
+                logits = unembed(self.base, h, RowGroups([(0, h.shape[0], r.adapter)]))  # [p or 1, V]
+                r.result = SampleResult([None] * n)
+                if want_all:
+                    self._prompt_logprobs(r, logits)
+            except Exception as e:
+                r.error = e
+                continue
+            first_logits.append(logits[-1:].expand(n, -1))
+            seed = r.params.seed if r.params.seed is not None else random.getrandbits(63)
+            for s in range(n):
+                gen = torch.Generator(device="cpu").manual_seed((seed + 0x9E3779B97F4A7C15 * s) % 2**63)
+                new_rows.append(_Row(r, s, gen))
+            copies += [i] * n
+            r.pending = n
+        if not new_rows:
+            return None
+        chosen, lps = self._choose(torch.cat(first_logits), new_rows)
+        return new_rows, copies, chosen, lps
+
+    def _add_rows(self, rows: list[_Row], chosen: torch.Tensor, lps: torch.Tensor) -> None:
+        """Append admitted rows after their cache rows and record their first tokens (a failed choice leaves)."""
+        self.rows += rows
+        self._pending_tokens = torch.cat([self._pending_tokens, chosen])
+        self._record(len(self.rows) - len(rows), chosen, lps)
+
+    def _prompt_logprobs(self, r: SampleRequest, logits: torch.Tensor) -> None:
+        """The prompt's scores (prompt_scores.score_prompt) from its logits [P, V], into the result."""
+        res = r.result
+        res.prompt_logprobs, res.topk_prompt_logprobs, res.target_prompt_logprobs = score_prompt(r.prompt, r.params,
+                                                                                                 logits)
+        for im in r.images:  # the model predicts no image: its positions score None (as compute_logprobs)
+            for scores in (res.prompt_logprobs, res.topk_prompt_logprobs):
+                if scores is not None:
+                    scores[im.start:im.start + im.tokens] = [None] * im.tokens
+
+    def _decode(self) -> None:
+        groups = _adapter_groups(self.rows, self.device)
+        hidden = decode_hidden(self.base, self._pending_tokens, groups, self.cache)  # [B, D]
+        logits = unembed(self.base, hidden, groups)  # [B, V]
+        chosen, lps = self._choose(logits, self.rows)
+        self._pending_tokens = chosen
+        self._record(0, chosen, lps)
+
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """next_tokens for all rows at once. If that fails, each request's rows alone with the same
+        uniforms: a request whose choice fails gets the error (its rows leave in _record), and every
+        other row's token is what it would have been."""
+        u = uniforms(rows)  # [B], drawn once, so a retry leaves every generator where it was
+        self._top = _top_logprobs(logits, rows)
+        try:
+            return next_tokens(logits, rows, u)
+        except Exception:
+            by_request: dict[int, list[int]] = {}
+            for b, row in enumerate(rows):
+                by_request.setdefault(id(row.request), []).append(b)
+            dev = logits.device
+            chosen = torch.zeros(len(rows), dtype=torch.int64, device=dev)
+            lps = torch.zeros(len(rows), device=dev)
+            for idx in by_request.values():
+                index = torch.tensor(idx, device=dev)
+                try:
+                    chosen[index], lps[index] = next_tokens(logits[index], [rows[b] for b in idx], u[idx])
+                except Exception as e:
+                    rows[idx[0]].request.error = e
+            return chosen, lps
+
+    def _record(self, first: int, chosen: torch.Tensor, lps: torch.Tensor) -> None:
+        """Append the new tokens of rows[first:]; rows that finished, and rows of a request that failed
+        (its error set), leave the batch."""
+        keep = list(range(first))
+        for b, (token, lp) in enumerate(zip(chosen.tolist(), lps.tolist()), start=first):
+            row = self.rows[b]
+            if row.request.error is not None:
+                continue
+            row.tokens.append(token)
+            row.logprobs.append(lp)
+            top = self._top.get(b - first)
+            if top is not None:
+                row.top_logprobs.append(top)
+            if row.request.stream:
+                row.request._note(row.index, token, lp, top)
+            try:
+                reason = self._stop_reason(row)
+            except Exception as e:  # e.g. the tokenizer on this row's tokens: this request alone fails
+                row.request.error = e
+                continue
+            if reason is None:
+                keep.append(b)
+                continue
+            # Samples keep their index order whatever order they finish in.
+            row.request.result.sequences[row.index] = SampledSequence(
+                row.tokens, row.logprobs, reason, row.top_logprobs if row.request.params.top_logprobs else None)
+            row.request.pending -= 1
+        keep = [b for b in keep if self.rows[b].request.error is None]  # a request failing above: all its rows
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, dtype=torch.int64, device=self.device)
+            self.rows = [self.rows[i] for i in keep]
+            self.cache.keep(index)
+            self._pending_tokens = self._pending_tokens[index]
+
+    def _stop_reason(self, row: _Row) -> str | None:
+        req, tokens = row.request, row.tokens
+        if tokens[-1] in req.stop_ids or any(tokens[-len(s):] == s for s in req.stop_seqs):
+            return "stop"
+        if req.stop_strs:
+            # Checked after every token, so the first appearance stops, even one ending inside a token.
+            text = self.base.tokenizer.decode(tokens)
+            if any(s in text for s in req.stop_strs):
+                return "stop"
+        if len(tokens) >= req.params.max_tokens:
+            return "length"
+        return None
+
+
+def _top_logprobs(logits: torch.Tensor, rows: list[_Row]) -> dict[int, list[tuple[int, float]]]:
+    """For each row b whose request asks for top_logprobs k: the k most likely (token, log-prob) under
+    log_softmax(logits[b]) (temperature 1, as every reported log-prob). logits: [B, V]."""
+    want = [b for b, r in enumerate(rows) if r.request.params.top_logprobs > 0]
+    if not want:
+        return {}
+    k = max(rows[b].request.params.top_logprobs for b in want)
+    index = torch.tensor(want, device=logits.device)
+    top = torch.topk(full_logprobs(logits[index]), k, dim=-1)  # [W, k]
+    ids, values = top.indices.tolist(), top.values.tolist()
+    return {b: list(zip(ids[i], values[i]))[:rows[b].request.params.top_logprobs] for i, b in enumerate(want)}
+
+
+def _adapter_groups(rows: list[_Row], device: torch.device) -> RowGroups:
+    """Decode-batch rows grouped by adapter as index tensors on `device` (rows of one adapter need not be
+    adjacent)."""
+    by_adapter: dict[int, tuple[list[int], Adapter]] = {}
+    for b, row in enumerate(rows):
+        if row.request.adapter is not None:
+            by_adapter.setdefault(id(row.request.adapter), ([], row.request.adapter))[0].append(b)
+    return RowGroups([(torch.tensor(idx, device=device), adapter) for idx, adapter in by_adapter.values()])

@@ -1,0 +1,277 @@
+"""Image chunks at the edge: wire chunks in, the engine's `ImageInput`s out, every limit checked first.
+
+A model input on either API is token ids or a list of typed chunks (Tinker's type names):
+`encoded_text` (token ids), `image` (encoded PNG or JPEG bytes) and `image_asset_pointer` (a file on
+this server, under a directory the operator allowed with `whitney serve --image-dir DIR`). Any other
+type (audio: Tinker's `dmel`) is a 400 naming the chunk. The service never decodes an image into
+pixels for the model: it reads the header and checks the bytes decode (Pillow), so a bad image is a 400
+naming its chunk before anything is stored or queued; the engine's processor expands each image into
+its positions.
+
+Limits (`Limits`, each a `whitney serve --max-...` flag): bytes per image, pixels per image (read from
+the header, before any decoding, which also keeps decompression bombs out), images and image bytes per
+request. Beyond one: a 413 naming the limit, the chunk and the value.
+
+Asset pointers: an absolute path or a `file://` URI (no host, or `localhost`), resolved with
+`os.path.realpath` (so `..` and symbolic links are followed to where they really lead) and accepted
+only when that real path is a regular file inside the real path of an allowed directory. Any other
+scheme (http, https, s3, gs, data, ...) is a 400: the server fetches nothing from the network.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from PIL import Image, UnidentifiedImageError
+
+from whitney.errors import InvalidInput, TooLarge
+from whitney.protocol.training import Datum, ImageInput
+from whitney.service.scheduling.limits import Limits
+
+FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # wire name -> Pillow's name
+TEXT, IMAGE, POINTER = "encoded_text", "image", "image_asset_pointer"
+CHUNK_TYPES = (TEXT, IMAGE, POINTER)
+
+Chunks = list  # list[list[int] | ImageInput]: what the engine takes wherever it took token ids
+
+
+@dataclass
+class ImageBudget:
+    """What one request's images have used so far, against the per-request limits."""
+
+    limits: Limits
+    images: int = 0
+    bytes: int = 0
+
+    def add(self, size: int, where: str) -> None:
+        self.images += 1
+        self.bytes += size
+        if self.images > self.limits.max_request_images:
+            raise TooLarge(f"{where}: the request holds more than {self.limits.max_request_images} images "
+                           "(max_request_images)", field=where)
+        if self.bytes > self.limits.max_request_image_bytes:
+            raise TooLarge(f"{where}: the request's images reach {self.bytes} bytes; the limit is "
+                           f"{self.limits.max_request_image_bytes} per request (max_request_image_bytes)", field=where)
+
+
+def checked_image(data: bytes, fmt: str, expected_tokens: int | None, where: str, budget: ImageBudget) -> ImageInput:
+    """Encoded image bytes checked against the limits and decoded once (Pillow) to prove they are what they
+    say: the declared format, at most max_image_pixels pixels (from the header, before decoding), whole."""
+    limits = budget.limits
+    if fmt not in FORMATS:
+        raise InvalidInput(f"{where}.format: {fmt!r} is not an image format this server takes; use one of "
+                           f"{sorted(FORMATS)}", field=f"{where}.format")
+    if expected_tokens is not None and (not isinstance(expected_tokens, int) or isinstance(expected_tokens, bool)
+                                        or expected_tokens < 1):
+        raise InvalidInput(f"{where}.expected_tokens must be a positive integer, got {expected_tokens!r}",
+                           field=f"{where}.expected_tokens")
+    if len(data) > limits.max_image_bytes:
+        raise TooLarge(f"{where}: the image is {len(data)} bytes; the limit is {limits.max_image_bytes} per image "
+                       "(max_image_bytes)", field=where)
+    budget.add(len(data), where)
+    try:
+        with Image.open(io.BytesIO(data), formats=list(FORMATS.values())) as image:  # the header only; no other reader
+            found = image.format
+            width, height = image.size
+            if found == FORMATS[fmt] and width * height <= limits.max_image_pixels:
+                image.verify()  # PNG: chunk checksums; the pixels are decoded below
+        if found == FORMATS[fmt] and width * height <= limits.max_image_pixels:
+            with Image.open(io.BytesIO(data), formats=[found]) as image:
+                image.load()  # the whole image decodes (a truncated JPEG fails here)
+    except Image.DecompressionBombError:  # over Pillow's own bound, far over any sane max_image_pixels
+        raise TooLarge(f"{where}: the image has more than {limits.max_image_pixels} pixels (max_image_pixels)",
+                       field=where) from None
+    except UnidentifiedImageError:
+        raise InvalidInput(f"{where}: the {fmt} image does not decode (the bytes are neither PNG nor JPEG)",
+                           field=where) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise InvalidInput(f"{where}: the {fmt} image does not decode ({type(e).__name__}: {e})", field=where) from None
+    if found != FORMATS[fmt]:
+        raise InvalidInput(f"{where}: declared format {fmt!r}, but the bytes are {found or 'unknown'}",
+                           field=f"{where}.format")
+    if width * height > limits.max_image_pixels:
+        raise TooLarge(f"{where}: the image is {width}x{height} = {width * height} pixels; the limit is "
+                       f"{limits.max_image_pixels} per image (max_image_pixels)", field=where)
+    return ImageInput(data=data, format=fmt, expected_tokens=expected_tokens)
+
+
+def decode_base64(text: str, where: str, limits: Limits) -> bytes:
+    """A chunk's base64 `data` as bytes; sized before decoding (4 characters hold 3 bytes, less the padding)."""
+    size = len(text) * 3 // 4 - text[-2:].count("=")  # what valid base64 of this length holds
+    if size > limits.max_image_bytes:
+        raise TooLarge(f"{where}: the image is {size} bytes; the limit is {limits.max_image_bytes} per image "
+                       "(max_image_bytes)", field=where)
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput(f"{where}.data: not valid base64", field=f"{where}.data") from None
+
+
+def pointed_file(location: str, where: str, limits: Limits) -> bytes:
+    """The bytes of the server-local file an asset pointer names, if it lies under an allowed directory."""
+    field = f"{where}.location"
+    if not limits.image_dirs:
+        raise InvalidInput(f"{field}: this server accepts no image asset pointers (the operator allows a "
+                           "directory with `whitney serve --image-dir DIR`); send the image bytes in an image chunk",
+                           field=field)
+    if not isinstance(location, str) or not location or "\0" in location:
+        raise InvalidInput(f"{field}: must be an absolute path or a file:// URI", field=field)
+    path = location
+    if not location.startswith("/"):
+        parts = urlsplit(location)
+        if not parts.scheme:
+            raise InvalidInput(f"{field}: {location!r} is a relative path; give an absolute path or a file:// URI",
+                               field=field)
+        if parts.scheme.lower() != "file":
+            raise InvalidInput(f"{field}: {parts.scheme!r} locations are refused: the server fetches nothing from the "
+                               "network; give a path under an allowed image directory, or the image bytes", field=field)
+        if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+            raise InvalidInput(f"{field}: a file:// URI names a local path (file:///dir/image.png), not a host",
+                               field=field)
+        path = unquote(parts.path)
+        if not path.startswith("/") or "\0" in path:
+            raise InvalidInput(f"{field}: must be an absolute path or a file:// URI", field=field)
+    real = os.path.realpath(path)
+    allowed = [os.path.realpath(d) for d in limits.image_dirs]
+    if not any(os.path.commonpath([real, d]) == d for d in allowed):
+        raise InvalidInput(f"{field}: {location!r} is not under an allowed image directory (symbolic links and "
+                           "'..' count where they lead)", field=field)
+    if not os.path.isfile(real):
+        raise InvalidInput(f"{field}: {location!r} is not a file", field=field)
+    size = os.path.getsize(real)
+    if size > limits.max_image_bytes:
+        raise TooLarge(f"{where}: the image is {size} bytes; the limit is {limits.max_image_bytes} per image "
+                       "(max_image_bytes)", field=where)
+    try:
+        with open(real, "rb") as f:
+            return f.read(limits.max_image_bytes + 1)
+    except OSError as e:
+        raise InvalidInput(f"{field}: {location!r} cannot be read ({e.strerror})", field=field) from None
+
+
+def model_input(chunks: list[dict], where: str, budget: ImageBudget) -> Chunks:
+    """Wire chunks ({type, ...} dicts, already shaped by the schema) as the engine's chunks: token lists and
+    ImageInputs. `where` names the chunk list in errors ("data[2].input.chunks")."""
+    out: Chunks = []
+    for j, chunk in enumerate(chunks):
+        at = f"{where}[{j}]"
+        kind = chunk.get("type")
+        if kind == TEXT:
+            out.append(list(chunk["tokens"]))
+        elif kind == IMAGE:
+            data = chunk["data"]
+            raw = data if isinstance(data, bytes) else decode_base64(data, at, budget.limits)
+            out.append(checked_image(raw, chunk["format"], chunk.get("expected_tokens"), at, budget))
+        elif kind == POINTER:
+            raw = pointed_file(chunk["location"], at, budget.limits)
+            out.append(checked_image(raw, chunk["format"], chunk.get("expected_tokens"), at, budget))
+        else:
+            what = " (audio is not served)" if kind in ("dmel", "audio") else ""
+            raise InvalidInput(f"{at}: chunk type {kind!r} is not supported{what}; a chunk is one of "
+                               f"{list(CHUNK_TYPES)}", field=f"{at}.type")
+    return out
+
+
+def has_images(tokens_or_chunks) -> bool:
+    return isinstance(tokens_or_chunks, list) and any(isinstance(c, ImageInput) for c in tokens_or_chunks)
+
+
+def known_length(tokens_or_chunks) -> int:
+    """Positions of a model input as far as the service knows them: token ids, plus each image's
+    expected_tokens (0 where not given: the engine's processor counts it)."""
+    n = 0
+    for c in tokens_or_chunks:
+        if isinstance(c, ImageInput):
+            n += c.expected_tokens or 0
+        else:
+            n += len(c) if isinstance(c, list) else 1
+    return n
+
+
+def token_ids(tokens_or_chunks) -> list[int]:
+    """Every token id of a model input (images left out), for the checks the service makes on ids."""
+    out: list[int] = []
+    for c in tokens_or_chunks:
+        if isinstance(c, list):
+            out.extend(c)
+        elif not isinstance(c, ImageInput):
+            out.append(c)
+    return out
+
+
+def stand_in(prompt: list, params) -> list[int]:
+    """A sample prompt as token ids for the checks the service makes before queueing it
+    (protocol.sampling.validate): each image as its expected_tokens positions. A check that needs the prompt's
+    exact length (prompt_logprobs_last_n, target_prompt_logprobs) needs every image's expected_tokens: a 400
+    naming the first image without them."""
+    if not has_images(prompt):
+        return prompt
+    unsized = next((j for j, c in enumerate(prompt) if isinstance(c, ImageInput) and c.expected_tokens is None), None)
+    if unsized is not None and (params.prompt_logprobs_last_n is not None or params.target_prompt_logprobs is not None):
+        asked = "prompt_logprobs_last_n" if params.prompt_logprobs_last_n is not None else "target_prompt_logprobs"
+        raise InvalidInput(f"{asked} needs the prompt's length: give prompt chunk {unsized} its expected_tokens",
+                           field=f"prompt[{unsized}].expected_tokens")
+    out: list[int] = []
+    for c in prompt:
+        out.extend([0] * (c.expected_tokens or 1) if isinstance(c, ImageInput) else c)
+    return out
+
+
+def refuse_images(model_info, base_model: str, where: str, datum_index: int | None = None) -> None:
+    """A model without a vision tower takes no image chunks (ModelInfo.vision; absent: text only)."""
+    if not getattr(model_info, "vision", False):
+        raise InvalidInput(f"{where}: base model {base_model} takes no images", field=where, datum_index=datum_index)
+
+
+def datums(data: list[dict], budget: ImageBudget, chunks_at: str = "data[{i}].input.chunks") -> list[Datum]:
+    """Wire datums ({input: {token_ids} | {chunks}, loss_inputs}) as engine datums, images read and checked.
+    `chunks_at` names datum i's chunks in errors (the Tinker API's: "data[{i}].model_input")."""
+    out = []
+    for i, d in enumerate(data):
+        given = {k for k in ("token_ids", "chunks") if d["input"].get(k) is not None}
+        if len(given) != 1:
+            raise InvalidInput(f"data[{i}].input: give token_ids or chunks" + (", not both" if given else ""),
+                               field=f"data[{i}].input", datum_index=i)
+        try:
+            ids = (d["input"]["token_ids"] if "token_ids" in given
+                   else model_input(d["input"]["chunks"], chunks_at.format(i=i), budget))
+        except (InvalidInput, TooLarge) as e:
+            e.datum_index = i
+            raise
+        out.append(Datum(ids if has_images(ids) else _flat(ids), d.get("loss_inputs") or {}))
+    return out
+
+
+def prompt(tokens_or_chunks: list, where: str, budget: ImageBudget) -> list:
+    """A prompt or scored sequence (token ids, or chunk dicts) as token ids, or as chunks when it holds an image."""
+    if not tokens_or_chunks or not isinstance(tokens_or_chunks[0], dict):
+        return list(tokens_or_chunks)
+    chunks = model_input(tokens_or_chunks, where, budget)
+    return chunks if has_images(chunks) else _flat(chunks)
+
+
+def expanded_lengths(data: list[Datum], total: int) -> list[int]:
+    """Each datum's positions once its images are expanded, given the engine's count for them all (`total`,
+    from Backend.validate): the positions of images without expected_tokens are shared evenly among them
+    (only the micro-batch planner and the token budgets read these)."""
+    known = [known_length(d.token_ids) for d in data]
+    unsized = [sum(1 for c in d.token_ids if isinstance(c, ImageInput) and c.expected_tokens is None) for d in data]
+    left = total - sum(known)
+    if not sum(unsized) or left <= 0:
+        return known
+    each, extra = divmod(left, sum(unsized))
+    out, seen = [], 0
+    for n, u in zip(known, unsized):
+        share = each * u + max(0, min(u, extra - seen))
+        seen += u
+        out.append(n + share)
+    return out
+
+
+def _flat(ids: list) -> list[int]:
+    return [t for c in ids for t in c] if ids and isinstance(ids[0], list) else list(ids)

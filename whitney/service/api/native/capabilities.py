@@ -1,0 +1,74 @@
+"""What this server offers: models, operations, losses, limits, features; the caller's quota; a health check."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from whitney.service.http.deps import Owner, State
+from whitney.service.store.lifecycle import SAMPLING_KINDS, TRAINING_KINDS
+
+router = APIRouter(prefix="/v1", tags=["capabilities"])
+health = APIRouter(tags=["health"])
+
+
+@router.get("/training/capabilities")
+def capabilities(st: State) -> dict:
+    config = st.scheduler.backend.config
+    losses = st.scheduler.backend.losses()  # the engine's loss table, as plain data
+    return {
+        "models": [{
+            "name": name,
+            "context_length": info.max_context,
+            "vocab_size": info.vocab_size,
+            "trainable": True,
+            "sampleable": True,
+            "max_lora_rank": config.max_lora_rank,
+            "compute_dtype": info.compute_dtype,
+            "device": info.device,
+            "compute_threads": info.compute_threads,  # of the process that trains it (whitney serve --threads)
+            "adaptable_modules": list(info.adaptable_modules),
+            "vision": getattr(info, "vision", False),  # takes image chunks (limits: max_image_* below)
+        } for name, info in ((name, st.model_info(name)) for name in st.models)],
+        "operations": [*TRAINING_KINDS, *SAMPLING_KINDS],
+        "loss_functions": {name: list(loss["config"]) for name, loss in losses.items()},
+        "losses": {name: {k: loss[k] for k in ("required_inputs", "optional_inputs", "config", "passes")}
+                   for name, loss in losses.items()},
+        "limits": {
+            **st.limits.as_dict(),
+            "max_concurrent_sequences": config.max_sequences,
+            "max_cached_tokens": config.max_cached_tokens,
+        },
+        "features": {"gradient_scale_v1": True, "lora_plus": True, "soft_targets": True, "opsd": True,
+                     "image_asset_pointers": bool(st.limits.image_dirs)},
+        # Live runs in memory and paged out to disk (idle for page_idle_seconds, or pushed out by the budget of
+        # max_resident_runs; None: never).
+        "runs": {**_residency(st), "page_idle_seconds": config.page_idle_seconds,
+                 "max_resident_runs": config.max_resident_runs},
+    }
+
+
+def _residency(st) -> dict:
+    counts = st.scheduler.backend.residency()
+    return {"in_memory": counts["in_memory"], "paged_out": counts["paged_out"]}
+
+
+@router.get("/quota")
+def quota(st: State, who: Owner) -> dict:
+    """The caller's per-key limits (0: unlimited) and what it holds against each now (max_runs: runs...)."""
+    return {"limits": asdict(st.quotas.limits(who)), "usage": st.quotas.usage(who)}
+
+
+@health.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+def metrics(st: State, who: Owner) -> Response:
+    """Prometheus metrics (whitney.service.http.metrics); with API keys on, any valid key may scrape."""
+    return Response(st.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+
+@health.get("/healthz")
+def healthz() -> dict:
+    """Answers without an API key, and says nothing else."""
+    return {"status": "ok"}

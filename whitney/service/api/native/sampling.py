@@ -1,0 +1,124 @@
+"""Sampling and log-probs: not in seq_id order, and always on named, frozen weights."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from whitney.errors import InvalidInput, NotFound, WhitneyError
+from whitney.protocol.backend import Weights
+from whitney.protocol.sampling import SamplingParams, validate
+from whitney.service.api import images
+from whitney.service.api.native import schemas
+from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.scheduling.limits import check_operation, check_stops
+from whitney.service.store.lifecycle import RUN_OPEN, OperationKind
+from whitney.service.store.packages import reading
+
+router = APIRouter(prefix="/v1", tags=["sampling"])
+
+
+def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[Weights, str]:
+    """Backend weights for a reference (a run's sampler version, a checkpoint, or a base model), and its base.
+
+    A run's versions are its sampler packages (save_weights_for_sampler registers each): a live run
+    samples the version it holds in memory, an ended one the package on disk."""
+    given = [k for k in ("run_id", "checkpoint_id", "base_model") if getattr(ref, k) is not None]
+    if len(given) > 1:
+        raise InvalidInput(f"name one source of weights, not {given}", field=given[1])
+    if ref.run_id is not None:
+        run = st.store.get_run(ref.run_id, who)
+        if ref.version is None:
+            raise InvalidInput("sampling a run needs a version from save_weights_for_sampler", field="version")
+        # Checked now: a 404, not a queued operation that fails later.
+        version = st.store.sampler_version(run["id"], ref.version)
+        if version is None:
+            raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
+        if run["status"] in RUN_OPEN:  # the backend holds the run, and so the version, in memory
+            return Weights(run_id=ref.run_id, version=ref.version), run["base_model"]
+        if version["deleted"]:  # the run has ended and the version's package was deleted with it
+            raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
+        return Weights(checkpoint_path=version["path"]), run["base_model"]
+    if ref.version is not None:
+        raise InvalidInput("version goes with run_id", field="version")
+    if ref.checkpoint_id is not None:
+        package = st.store.get_package(ref.checkpoint_id, who)
+        if package["kind"] not in ("state", "sampler"):
+            raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export; sample from a saved "
+                               "state or sampler version", field="checkpoint_id")
+        return Weights(checkpoint_path=package["path"]), package["base_model"]
+    base_model = ref.base_model or st.models[0]
+    if not st.serves(base_model):
+        raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
+    return Weights(base_model=base_model), base_model
+
+
+@router.post("/samples", response_model=schemas.Operation, status_code=202)
+def sample(body: schemas.SampleRequest, st: State, who: Owner):
+    """Generate num_samples continuations of a prompt; poll the operation for the sequences."""
+    params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k,
+                            top_p=body.top_p, seed=body.seed,
+                            stop=None if body.stop is None else tuple(tuple(s) if isinstance(s, list) else s
+                                                                      for s in body.stop),
+                            num_samples=body.num_samples, prompt_logprobs=body.prompt_logprobs,
+                            topk_prompt_logprobs=body.topk_prompt_logprobs, top_logprobs=body.topk_sample_logprobs,
+                            prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+                            target_prompt_logprobs=None if body.target_prompt_logprobs is None else
+                            tuple(tuple(r) for r in body.target_prompt_logprobs))
+    prompt = images.prompt(wire_input(body.prompt), "prompt", images.ImageBudget(st.limits))
+    return start_sample(st, who, body, prompt, params)
+
+
+def wire_input(tokens_or_chunks: list) -> list:
+    """A prompt or sequence as parsed (token ids, or chunk models) as plain data (token ids, or chunk dicts)."""
+    return [c.model_dump() if isinstance(c, BaseModel) else c for c in tokens_or_chunks]
+
+
+def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: list,
+                 params: SamplingParams) -> dict:
+    """Validate and queue one sampling operation; shared with the Tinker routes. `prompt`: token ids, or
+    chunks (token lists and the engine's ImageInputs, already checked by images.prompt)."""
+    check_stops(st.limits, params.stop)
+    weights, base_model = resolve(st, who, ref)
+    if images.has_images(prompt):
+        images.refuse_images(st.model_info(base_model), base_model, "prompt")
+    # A 400 now, not a failure later. An image stands as its expected_tokens positions (1 when not given; the
+    # engine checks the expanded prompt again when the request starts).
+    validate(images.stand_in(prompt, params), params, st.model_info(base_model),
+             st.scheduler.backend.config.max_sequences)
+    st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
+    # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
+    op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
+        who, None, None, OperationKind.SAMPLE, ""))
+    st.scheduler.submit_sample(op, prompt, params, weights)
+    return op
+
+
+@router.post("/logprobs", response_model=schemas.Operation, status_code=202)
+def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
+    """Per-token log-probs of given sequences (the first position has none)."""
+    budget = images.ImageBudget(st.limits)
+    sequences = []
+    for i, s in enumerate(body.sequences):
+        try:
+            sequences.append(images.prompt(wire_input(s), f"sequences[{i}]", budget))
+        except WhitneyError as e:
+            e.datum_index = i
+            raise
+    lengths = [images.known_length(s) for s in sequences]  # an image without expected_tokens counts 0 here
+    check_operation(st.limits, lengths, field="sequences")
+    weights, base_model = resolve(st, who, body)
+    config = st.model_info(base_model)
+    for i, seq in enumerate(sequences):
+        if images.has_images(seq):
+            images.refuse_images(config, base_model, f"sequences[{i}]")
+        ids = images.token_ids(seq)
+        if not seq or lengths[i] > config.max_context or not all(0 <= t < config.vocab_size for t in ids):
+            raise InvalidInput(f"sequence {i} must hold 1 to {config.max_context} token ids in "
+                               f"[0, {config.vocab_size})", field="sequences", datum_index=i)
+    st.quotas.admit_operation(who, None, None, sum(lengths))  # 429 over the key's quota
+    # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
+    op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
+        who, None, None, OperationKind.COMPUTE_LOGPROBS, ""))
+    st.scheduler.submit_logprobs(op, sequences, weights)
+    return op

@@ -1,0 +1,62 @@
+"""retrieve_future: every Tinker future is a native operation, long-polled like GET /v1/operations/{id}?wait=.
+
+Pending is HTTP 408 with a try_again body (the SDK polls again at once, without a warning); a failure
+is {error, category} with category "user" for the caller's mistakes. forward/forward_backward and
+sample results are protobuf (the 0.38 SDK refuses JSON for them); the rest are JSON.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from whitney.service.api.tinker import proto, training
+from whitney.service.api.tinker.common import Tinker, TinkerBody
+from whitney.service.http.deps import Owner, State
+from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationKind, OperationStatus
+
+router = APIRouter()
+MAX_WAIT = 25.0  # the SDK's read timeout for one poll is 45 s
+PROTOBUF = "application/x-protobuf"
+
+
+class FutureRef(TinkerBody):
+    request_id: str
+    allow_metadata_only: bool = False  # results are always sent whole
+
+
+@router.post("/retrieve_future", responses={
+    200: {"description": "the result: protobuf for forward, forward_backward and sample, JSON otherwise (a "
+                         "failed operation too: {error, category})",
+          "content": {"application/json": {}, PROTOBUF: {"schema": {"type": "string", "format": "binary"}}}},
+    408: {"description": "not done yet: poll again", "content": {"application/json": {"schema": {
+        "type": "object", "required": ["type", "request_id"], "properties": {
+            "type": {"type": "string", "enum": ["try_again"]}, "request_id": {"type": "string"},
+            "queue_state": {"type": "string"}}}}}}})
+async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
+    op = st.store.get_operation(body.request_id, who)
+    if op["status"] not in OPERATION_TERMINAL:
+        await st.scheduler.wait(op["id"], MAX_WAIT)
+        op = st.store.get_operation(op["id"], who)
+    if op["status"] not in OPERATION_TERMINAL:
+        return JSONResponse(status_code=408, content={"type": "try_again", "request_id": op["id"],
+                                                      "queue_state": "active"})
+    if op["status"] != OperationStatus.SUCCEEDED:
+        error = op["error"] or {}
+        return {"error": error.get("message", op["status"]), "category": error.get("category", "user")}
+    if op["kind"] in (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD):
+        return Response(proto.encode_forward_backward_output(op["result"]), media_type=PROTOBUF)
+    if op["kind"] == OperationKind.SAMPLE:
+        return Response(proto.encode_sample_response(op["result"]), media_type=PROTOBUF)
+    out = training.result(op, st)
+    sampler_id = ts.sampler_of_op.get(op["id"])
+    if sampler_id is not None:
+        out = {**out, "path": None, "sampling_session_id": sampler_id}
+    return out
+
+
+@router.post("/cancel_future")
+def cancel_future(body: FutureRef, st: State, who: Owner) -> dict:
+    """Accepted; a sampling request runs to its end (it is short), its result unread."""
+    st.store.get_operation(body.request_id, who)
+    return {}

@@ -1,0 +1,96 @@
+"""Custom losses created by a key: stored definitions, found by id, and put in place of a handle.
+
+A definition is the engine's plain data, `{name, inputs, graph}` (whitney/engine/losses/custom.py checks it
+at creation; the engine checks it again in every request, so a remote engine trusts nothing it is sent).
+It is durable like a run: a handle keeps working across restarts, for the key that created it only.
+Both APIs name a stored loss the same way: loss function "custom" with loss_config {"loss_id": id}.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from sqlalchemy import JSON, Float, String, select
+from sqlalchemy.orm import Mapped, mapped_column
+
+from whitney.errors import InvalidInput, NotFound
+from whitney.service.store.database import Base, Store, _row_dict, digest, new_id
+
+CUSTOM = "custom"  # the loss function name that takes {"loss_id": ...}
+
+
+class CustomLossRow(Base):
+    __tablename__ = "custom_losses"
+    # Tinker's ids are "{session_id}:loss:{seq}", so a resent create_custom_loss finds its first row.
+    id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    name: Mapped[str] = mapped_column(String(128))
+    definition: Mapped[dict] = mapped_column(JSON)  # {name, inputs, graph}
+    body_digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+def _ensure_table(store: Store) -> None:
+    """The table, on a database whose Store was opened before this module was imported."""
+    if not getattr(store, "_custom_losses_ready", False):
+        CustomLossRow.__table__.create(store.engine, checkfirst=True)
+        store._custom_losses_ready = True
+
+
+def public(row: dict, with_graph: bool = False) -> dict:
+    out = {"id": row["id"], "name": row["name"], "inputs": row["definition"]["inputs"],
+           "session_id": row["session_id"], "created_at": row["created_at"]}
+    return {**out, "graph": row["definition"]["graph"]} if with_graph else out
+
+
+def create(store: Store, who: str, definition: dict, check: Callable[[dict], None], *, loss_id: str | None = None,
+           session_id: str | None = None) -> dict:
+    """Check a definition (`check`: the backend's `check_custom_loss`, InvalidInput naming the node that breaks a
+    rule) and store it. With `loss_id`, a resend of the same definition returns the stored row and a different
+    one under that id is InvalidInput."""
+    check(definition)
+    _ensure_table(store)
+    body = digest(definition)
+    with store.tx() as db:
+        if loss_id is not None:
+            row = db.get(CustomLossRow, loss_id)
+            if row is not None:
+                if row.owner != who or row.body_digest != body:
+                    raise InvalidInput(f"custom loss {loss_id!r} exists with another definition", field="loss_id")
+                return _row_dict(row)
+        row = CustomLossRow(id=loss_id or new_id("loss"), owner=who, session_id=session_id,
+                            name=definition["name"], definition=definition, body_digest=body,
+                            created_at=time.time())
+        db.add(row)
+        db.flush()
+        return _row_dict(row)
+
+
+def get(store: Store, who: str, loss_id: str) -> dict:
+    """The caller's stored loss (another key's is NotFound, as if it did not exist)."""
+    _ensure_table(store)
+    with store.tx() as db:
+        row = db.get(CustomLossRow, loss_id) if isinstance(loss_id, str) else None
+        if row is None or row.owner != who:
+            raise NotFound(f"custom loss {loss_id!r} does not exist", field="loss_config.loss_id")
+        return _row_dict(row)
+
+
+def list_for(store: Store, who: str) -> list[dict]:
+    _ensure_table(store)
+    with store.tx() as db:
+        q = select(CustomLossRow).where(CustomLossRow.owner == who).order_by(CustomLossRow.created_at)
+        return [_row_dict(r) for r in db.scalars(q)]
+
+
+def resolve(store: Store, who: str, loss_fn: str, loss_config: dict) -> dict:
+    """The loss_config the engine gets: for "custom", {"loss_id": id} becomes the stored definition."""
+    if loss_fn != CUSTOM:
+        return loss_config
+    if not isinstance(loss_config, dict) or set(loss_config) != {"loss_id"}:
+        raise InvalidInput("loss function custom takes loss_config {\"loss_id\": id}, the id create_custom_loss "
+                           f"returned; got keys {sorted(loss_config) if isinstance(loss_config, dict) else []}",
+                           field="loss_config")
+    return get(store, who, loss_config["loss_id"])["definition"]
