@@ -20,6 +20,7 @@ from sqlalchemy import inspect, text
 
 from tests.service.test_flow import ADAM, expect, fb_body, succeeded, until
 from whitney.errors import Conflict, NotFound
+from whitney.service.scheduling import scheduler as scheduler_module
 from whitney.service.store import packages, projects
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind, OperationStatus
@@ -225,7 +226,16 @@ def save_state(http: httpx.Client, rid: str, seq_id: int, name: str = "ckpt") ->
     return succeeded(http, op["id"])["package"]
 
 
-def test_ttl_expiry_waits_for_a_queued_load_then_deletes(server):
+def test_ttl_expiry_waits_for_a_queued_load_then_deletes(make_server, monkeypatch):
+    passes: list[tuple[float, list[str]]] = []  # the reaper's passes: when each began, what it deleted
+
+    def reap(store, now=None):
+        began = time.time()
+        passes.append((began, packages.reap(store, now)))
+        return passes[-1][1]
+
+    monkeypatch.setattr(scheduler_module, "reap", reap)
+    server = make_server(expiry_interval=0.05)  # a pass at each idle turn of the worker loop, not every 5 s
     http = server.http()
     _, rid = trained_run(http)
     ckpt = save_state(http, rid, 2)
@@ -236,7 +246,8 @@ def test_ttl_expiry_waits_for_a_queued_load_then_deletes(server):
     ttl = expect(http.patch(f"/v1/checkpoints/{ckpt['id']}", json={"ttl_seconds": 1}), 200)
     assert ttl["expires_at"] <= time.time() + 1 and ttl["user_metadata"] == {"step": 2}
     until(lambda: http.get(f"/v1/checkpoints/{ckpt['id']}").status_code == 404, 10, "expired checkpoint reads 404")
-    time.sleep(6.5)  # more than one reaper tick past the expiry
+    until(lambda: any(began > ttl["expires_at"] for began, _ in passes), 15, "a reaper pass past the expiry")
+    assert not any(ckpt["id"] in deleted for _, deleted in passes), "deleted under a queued load"
     with server.app.state.whitney.store.tx() as db:
         row = db.execute(text("SELECT path, readers FROM model_packages WHERE id = :i"), {"i": ckpt["id"]}).first()
     assert row is not None and row.readers == 1 and Path(row.path).is_dir(), "deleted under a queued load"

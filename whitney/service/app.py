@@ -57,6 +57,7 @@ class ServiceConfig:
     api_keys: list[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)  # per request, and the worker's micro-batch budget
     session_timeout: float = 600.0
+    expiry_interval: float = 5.0  # seconds between the reaper's passes (expired sessions and checkpoints)
     engine: EngineConfig = field(default_factory=EngineConfig)  # LoRA rank bound, dtype, sampling memory
     # API keys and per-key quotas (keys.py, quotas.py): keys are required when api_keys is given, require_keys
     # is set or the database holds a key; key_limits are the server's defaults, a key's own limits override them.
@@ -91,7 +92,8 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
         raise ValueError(f"two models would be served under one name: {shown}")
     if backend is None:
         backend = start_backend(config, shown)
-    scheduler = Scheduler(backend, store, data_dir, config.limits.max_batch_tokens, config.session_timeout)
+    scheduler = Scheduler(backend, store, data_dir, config.limits.max_batch_tokens, config.session_timeout,
+                          expiry_interval=config.expiry_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

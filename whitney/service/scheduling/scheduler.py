@@ -46,7 +46,7 @@ log = logging.getLogger("whitney.scheduler")
 
 class Scheduler:
     def __init__(self, backend: Backend, store: Store, data_dir: Path, max_batch_tokens: int = 8192,
-                 session_timeout: float = 600.0, recent_seconds: float = 2.0):
+                 session_timeout: float = 600.0, recent_seconds: float = 2.0, expiry_interval: float = 5.0):
         self.backend = backend
         self.store = store
         self.data_dir = Path(data_dir)
@@ -55,6 +55,7 @@ class Scheduler:
         # its share of each call reserved while its next operation is on its way.
         self.recent_seconds = recent_seconds
         self.session_timeout = session_timeout
+        self.expiry_interval = expiry_interval  # seconds between passes of the session and checkpoint reaper
         self._runs: dict[str, RunQueue] = {}
         self._samples: dict[str, dict] = {}  # operation id (the backend's request id) -> operation
         self._streams: dict[str, SampleStream] = {}  # streaming samples' listeners, by operation id
@@ -474,7 +475,7 @@ class Scheduler:
 
     def _expire_sessions(self) -> None:
         now = time.time()
-        if now - self._last_expiry_check < 5.0:
+        if now - self._last_expiry_check < self.expiry_interval:
             return
         self._last_expiry_check = now
         reap(self.store)  # checkpoints past their TTL that no one is reading (packages.py)
