@@ -17,7 +17,7 @@ import pytest
 from whitney.backends.in_process import InProcessBackend
 from whitney.engine import AdamParams, Datum, DatumOutput, ForwardResult
 from whitney.errors import InvalidInput, NotFound
-from whitney.protocol.backend import Backend, Failure, ModelInfo, Weights
+from whitney.protocol.backend import Backend, Failure, ModelInfo, PackageKind, Residency, ServedBackend, Weights
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleResult, SamplingParams
 from whitney.service.scheduling.jobs import ForwardJob, OptimJob, SaveJob
@@ -38,7 +38,7 @@ class FakeBackend:
     staged: dict[tuple[str, str], float] = field(default_factory=dict)
     samples: dict[str, list] = field(default_factory=dict)  # request id -> [prompt, params, tokens]
     broken: bool = False  # run_batch raises (a backend bug)
-    broken_commits: set[str] = field(default_factory=set)  # runs whose staged gradient commit_gradients cannot take
+    broken_commits: set[str] = field(default_factory=set)  # runs whose staged gradient settle_gradients cannot keep
     lost: list[str] = field(default_factory=list)  # runs take_lost_runs reports next
     separate_sampling: bool = False
 
@@ -89,36 +89,30 @@ class FakeBackend:
             out.append(ForwardResult(tokens, {"loss:sum": tokens, "tokens:sum": tokens}, outputs))
         return out
 
-    def commit_gradients(self, run_id, stage) -> None:
-        self.calls.append(("commit", run_id, stage))
-        if run_id in self.broken_commits:
+    def settle_gradients(self, run_id, stage, keep) -> None:
+        self.calls.append(("commit" if keep else "discard", run_id, stage))
+        if keep and run_id in self.broken_commits:
             raise RuntimeError(f"the fake cannot commit {run_id}'s gradient")
-        self.grads[run_id] += self.staged.pop((run_id, stage))
-
-    def discard_gradients(self, run_id, stage) -> None:
-        self.calls.append(("discard", run_id, stage))
-        self.staged.pop((run_id, stage), None)
-
-    def optim_step(self, run_id, params):
-        self.calls.append(("optim_step", run_id))
-        norm, self.grads[run_id] = self.grads[run_id], 0.0
-        return {"grad_norm": norm}
+        staged = self.staged.pop((run_id, stage), 0.0)
+        if keep:
+            self.grads[run_id] += staged
 
     def optim_steps(self, steps):
-        return [self.optim_step(run_id, params) for run_id, params in steps]
+        out = []
+        for run_id, _ in steps:
+            self.calls.append(("optim_step", run_id))
+            norm, self.grads[run_id] = self.grads[run_id], 0.0
+            out.append({"grad_norm": norm})
+        return out
 
-    def save_state(self, run_id, path, include_optimizer=True) -> None:
+    def save(self, run_id, kind, path, include_optimizer=True) -> int | None:
         Path(path).mkdir(parents=True)
-        (Path(path) / "state").write_text(f"{self.grads[run_id]}")
+        if kind in (PackageKind.STATE, PackageKind.SAMPLER):
+            (Path(path) / "state").write_text(f"{self.grads[run_id]}")
+        return 1 if kind == PackageKind.SAMPLER else None
 
     def load_state(self, run_id, path, with_optimizer=False) -> None:
         self.grads[run_id] = float((Path(path) / "state").read_text())
-
-    save_weights = export_lora = lambda self, run_id, path, *a, **k: Path(path).mkdir(parents=True)
-
-    def save_weights_for_sampler(self, run_id, path) -> int:
-        self.save_state(run_id, path)
-        return 1
 
     def compute_logprobs(self, sequences, weights):
         return [[None] + [-1.0] * (len(s) - 1) for s in sequences]
@@ -148,8 +142,8 @@ class FakeBackend:
     def page_out_idle(self) -> int:
         return 0  # holds no memory worth paging
 
-    def residency(self) -> dict[str, int]:
-        return {"in_memory": len(self.grads), "paged_out": 0}
+    def residency(self) -> Residency:
+        return Residency(in_memory=len(self.grads))
 
     def render_chat(self, base_model, messages, add_generation_prompt=True, mark_assistant=False):
         raise InvalidInput("the fake model has no chat template", field="messages")
@@ -161,7 +155,7 @@ class FakeBackend:
         return [" ".join(map(str, s)) for s in sequences]
 
     @property
-    def sampling(self) -> int:
+    def sampling_in_flight(self) -> int:
         return len(self.samples)
 
     def close(self) -> None:
@@ -213,8 +207,11 @@ def wait(store: Store, op: dict) -> dict:
 def test_both_backends_implement_the_protocol(tiny_llama):
     from whitney.engine import Engine
 
-    assert isinstance(FakeBackend(), Backend)
-    assert isinstance(InProcessBackend(Engine()), Backend)
+    assert isinstance(FakeBackend(), ServedBackend)
+    assert isinstance(InProcessBackend(Engine()), ServedBackend)
+    # What operations call stays narrow: housekeeping and tokenizers are interfaces of their own.
+    methods = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
+    assert len(methods) == 14 and "models" in vars(Backend), methods
 
 
 def test_seq_id_order_and_cross_run_batches(fake):

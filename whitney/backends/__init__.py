@@ -1,5 +1,5 @@
 """The backends `whitney serve --backend NAME` picks from, by name. Each is a module of this package with a
-`start_backend(spec: BackendSpec) -> Backend`, imported only when chosen: the control plane imports this
+`start_backend(spec: BackendSpec) -> ServedBackend`, imported only when chosen: the control plane imports this
 registry without loading torch, the engine or Ray. A new backend is one module and one line here.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 from whitney.errors import InvalidInput
-from whitney.protocol.backend import Backend, BackendSpec
+from whitney.protocol.backend import BackendSpec, ServedBackend
 
 BACKENDS = {
     "inprocess": "whitney.backends.in_process",  # the engine in this process
@@ -16,7 +16,7 @@ BACKENDS = {
 }
 
 
-def start(name: str, spec: BackendSpec) -> Backend:
+def start(name: str, spec: BackendSpec) -> ServedBackend:
     """The backend called `name`, started with `spec`'s models loaded; InvalidInput naming `backend` for an
     unknown name or a backend whose package is not installed."""
     if name not in BACKENDS:

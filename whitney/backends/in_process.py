@@ -18,7 +18,7 @@ from whitney.engine.sampling.sampler import SampleRequest
 from whitney.engine.threads import ComputeThreads
 from whitney.engine.training.runs import Engine
 from whitney.errors import InvalidInput
-from whitney.protocol.backend import BackendSpec, Failure, ModelInfo, Weights
+from whitney.protocol.backend import BackendSpec, Failure, ModelInfo, PackageKind, Residency, Weights
 from whitney.protocol.config import EngineConfig, check_threads, usable_cpus
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, LoraConfig
@@ -154,34 +154,33 @@ class InProcessBackend(chat.TextMethods, LossMethods):
             results = self.engine.run_batch(requests, backward)
         return [Failure.of(r) if isinstance(r, BaseException) else r for r in results]
 
-    def commit_gradients(self, run_id: str, stage: str) -> None:
-        self.engine.commit_gradients(run_id, stage)
-
-    def discard_gradients(self, run_id: str, stage: str) -> None:
-        self.engine.discard_gradients(run_id, stage)
-
-    def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]:
-        return self.engine.optim_step(run_id, params)
+    def settle_gradients(self, run_id: str, stage: str, keep: bool) -> None:
+        if keep:
+            self.engine.commit_gradients(run_id, stage)
+        else:
+            self.engine.discard_gradients(run_id, stage)
 
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Failure]:
         return [Failure.of(r) if isinstance(r, BaseException) else r for r in self.engine.optim_steps(steps)]
 
-    def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None:
-        self.engine.save_state(run_id, path, include_optimizer)
+    def save(self, run_id: str, kind: PackageKind, path: str, include_optimizer: bool = True) -> int | None:
+        """The run written to `path` as a package of `kind`; a sampler version's number (else None)."""
+        if kind == PackageKind.STATE:
+            self.engine.save_state(run_id, path, include_optimizer)
+        elif kind in (PackageKind.WEIGHTS, PackageKind.MERGED):
+            self.engine.save_weights(run_id, path, merge=kind == PackageKind.MERGED)
+        elif kind == PackageKind.LORA:
+            self.engine.export_lora(run_id, path)
+        elif kind == PackageKind.SAMPLER:
+            version = self.engine.save_weights_for_sampler(run_id)
+            self.engine.save_version(run_id, version, path)
+            return version
+        else:
+            raise InvalidInput(f"kind must be one of {[k.value for k in PackageKind]}, got {kind!r}", field="kind")
+        return None
 
     def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None:
         self.engine.load_state(run_id, path, with_optimizer)
-
-    def save_weights(self, run_id: str, path: str, merge: bool = False) -> None:
-        self.engine.save_weights(run_id, path, merge)
-
-    def export_lora(self, run_id: str, path: str) -> None:
-        self.engine.export_lora(run_id, path)
-
-    def save_weights_for_sampler(self, run_id: str, path: str) -> int:
-        version = self.engine.save_weights_for_sampler(run_id)
-        self.engine.save_version(run_id, version, path)
-        return version
 
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]:
         with self._computing():
@@ -234,11 +233,11 @@ class InProcessBackend(chat.TextMethods, LossMethods):
     def page_out_idle(self) -> int:
         return self.engine.page_out_idle()
 
-    def residency(self) -> dict:
-        return self.engine.residency()
+    def residency(self) -> Residency:
+        return Residency.of_counts(self.engine.residency())
 
     @property
-    def sampling(self) -> int:
+    def sampling_in_flight(self) -> int:
         """Sampling requests in flight."""
         return len(self._samples)
 
@@ -246,8 +245,6 @@ class InProcessBackend(chat.TextMethods, LossMethods):
         self.engine.pager.close()  # the paged-out runs' files
 
 
-__all__ = ["BYTES_PER_PARAMETER", "Backend", "EngineConfig", "Failure", "InProcessBackend", "ModelInfo", "Weights",
-           "WorkerLost", "adapter_bytes"]
 
 
 def start_backend(spec: BackendSpec) -> InProcessBackend:

@@ -1,51 +1,52 @@
 """The Backend: the narrow interface the service drives an engine through, over plain data (torch-free).
 
 Everything that crosses it is a dataclass of lists, numbers and strings (no tensors, no live objects,
-no exception objects in results), so a backend can live in this process (`InProcessBackend`, over the
-`Engine`) or in another one (a proxy to workers elsewhere) behind the same methods:
+no exception objects in results), so a backend can live in this process (backends/in_process.py, over the
+`Engine`) or in other ones (backends/ray: a proxy to actors) behind the same calls. Three small interfaces:
 
-  models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype,
-                                  device)
+Backend, what operations call (15 methods, plus `config` and `separate_sampling`):
+  models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype, device)
   losses()                        the loss table as plain data: each loss's inputs, config keys and defaults
   check_custom_loss(definition)   a custom loss graph checked against the allow-lists (InvalidInput names the node)
   adapter_bytes(base, lora)       memory one run of that LoRA config holds (validates the config)
   validate(request, backward)     check a forward request without running it; its token count
   create_run / delete_run         a run's adapter (optionally loaded from a checkpoint), and its end
   run_batch(requests, backward)   forward(_backward) of several runs' requests: a result or a Failure each
-  commit_gradients / discard_gradients   a micro-batched operation's staged gradient, added or dropped
-  optim_step, save_state, load_state, save_weights, export_lora
-  optim_steps([(run_id, params)])   several runs' optim_steps in one call: a result or a Failure each, each
+  settle_gradients(run_id, stage, keep)   a micro-batched operation's staged gradient, added (keep) or dropped
+  optim_steps([(run_id, params)]) several runs' optim_steps in one call: a result or a Failure each, each
                                   bitwise the run's own optim_step
-  save_weights_for_sampler(run_id, path) -> version: frozen, written to `path`, loadable everywhere
+  save(run_id, kind, path, include_optimizer) -> sampler version | None: the run written to `path` as a
+                                  package of `kind` (PackageKind), atomically
+  load_state(run_id, path, with_optimizer)
   compute_logprobs(sequences, weights)
   submit_sample(request_id, prompt, params, weights, stream=False); sample_step() -> [(request_id, result |
                                   Failure | SampleProgress)]: a request's end, or (streaming requests only)
                                   the tokens it chose since its last report; a request's progress always
                                   comes before its end
-  render_chat(base_model, messages, add_generation_prompt, mark_assistant) -> ChatTokens: the model's own
-                                  chat template, tokenized (engine/chat.py)
-  encode(base_model, text) -> [int]; decode(base_model, sequences, skip_special_tokens) -> [str]: the
-                                  model's own tokenizer; like render_chat, callable from any thread (no
-                                  engine state)
-  take_lost_runs()                runs whose worker died since the last call (their state is gone)
-  page_out_idle()                 page out runs idle for `config.page_idle_seconds` (engine/paging.py); the
-                                  scheduler's training thread calls it between engine calls
-  residency()                     {"in_memory": runs, "paged_out": runs, "page_outs"/"page_ins"/"moment_reads":
-                                  counts so far, "page_out_seconds"/"page_in_seconds"/"moment_read_seconds":
-                                  their total time, "page_out_histogram"/...: {upper bound: count}}; from any
-                                  thread
-  close()                         stop the workers
-  sampling                        sampling requests in flight (the metrics' batch occupancy)
   separate_sampling               True when sampling and scoring run apart from training (other workers):
                                   the service then drives them from a second thread
 
-Single calls raise a `WhitneyError` for the caller's mistakes and `WorkerLost` when the worker holding
-the state died; anything else is a bug of the backend. `RayBackend` (ray_backend.py) is the other one.
+Tokenizers, a base model's own tokenizer and chat template (callable from any thread; no engine state):
+  render_chat(base_model, messages, add_generation_prompt, mark_assistant) -> ChatTokens
+  encode(base_model, text) -> [int]; decode(base_model, sequences, skip_special_tokens) -> [str]
+
+Housekeeping, what the scheduler and the metrics do between operations:
+  take_lost_runs()                runs whose worker died since the last call (their state is gone)
+  page_out_idle()                 page out runs idle for `config.page_idle_seconds` (engine/memory/paging.py);
+                                  the scheduler's training thread calls it between engine calls
+  residency() -> Residency        runs in memory and paged out, and the paging so far; from any thread
+  sampling_in_flight              sampling requests in flight (the metrics' batch occupancy)
+  close()                         stop the workers
+
+`ServedBackend` is all three: what `whitney.backends.start` returns and the service holds. Single calls raise
+a `WhitneyError` for the caller's mistakes and `WorkerLost` when the worker holding the state died; anything
+else is a bug of the backend.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
@@ -147,6 +148,57 @@ class BackendSpec:
     worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+class PackageKind(str, Enum):
+    """What a save writes (a model package's kind in the store, and `Backend.save`'s `kind`)."""
+
+    STATE = "state"  # the adapter, and the optimizer state when asked: load_state and resume read it
+    WEIGHTS = "weights"  # the adapter as a PEFT directory (save_weights)
+    MERGED = "merged"  # the base with the adapter merged in (save_weights with merge)
+    LORA = "lora"  # the adapter exported for other tools (export_lora)
+    SAMPLER = "sampler"  # a frozen sampler version (save_weights_for_sampler): its version number is returned
+
+
+@dataclass(frozen=True)
+class PagingEvents:
+    """One kind of paging event so far (page-outs, page-ins or moment reads): how many, their total seconds,
+    and their seconds' histogram {upper bound in seconds, as text: count}."""
+
+    count: int = 0
+    seconds: float = 0.0
+    histogram: dict[str, int] = field(default_factory=dict)
+
+    def plus(self, other: "PagingEvents") -> "PagingEvents":
+        bounds = {**self.histogram, **other.histogram}
+        return PagingEvents(self.count + other.count, self.seconds + other.seconds,
+                            {b: self.histogram.get(b, 0) + other.histogram.get(b, 0) for b in bounds})
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Where runs' state is: runs in memory, runs paged out to disk, and the paging done so far."""
+
+    in_memory: int = 0
+    paged_out: int = 0
+    page_outs: PagingEvents = PagingEvents()
+    page_ins: PagingEvents = PagingEvents()
+    moment_reads: PagingEvents = PagingEvents()
+
+    EVENTS = ("page_out", "page_in", "moment_read")  # each event's name in the engine's counts
+
+    @classmethod
+    def of_counts(cls, counts: dict) -> "Residency":
+        """From the engine's counts (engine/memory/paging.py Pager.residency)."""
+        events = [PagingEvents(int(counts.get(f"{e}s", 0)), float(counts.get(f"{e}_seconds", 0.0)),
+                               dict(counts.get(f"{e}_histogram") or {})) for e in cls.EVENTS]
+        return cls(int(counts["in_memory"]), int(counts["paged_out"]), *events)
+
+    def plus(self, other: "Residency") -> "Residency":
+        """Two workers' residency together."""
+        return Residency(self.in_memory + other.in_memory, self.paged_out + other.paged_out,
+                         self.page_outs.plus(other.page_outs), self.page_ins.plus(other.page_ins),
+                         self.moment_reads.plus(other.moment_reads))
+
+
 @runtime_checkable
 class Backend(Protocol):
     config: EngineConfig
@@ -162,26 +214,34 @@ class Backend(Protocol):
                    resume_with_optimizer: bool = False) -> None: ...
     def delete_run(self, run_id: str) -> None: ...
     def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | Failure]: ...
-    def commit_gradients(self, run_id: str, stage: str) -> None: ...
-    def discard_gradients(self, run_id: str, stage: str) -> None: ...
-    def optim_step(self, run_id: str, params: AdamParams) -> dict[str, float]: ...
+    def settle_gradients(self, run_id: str, stage: str, keep: bool) -> None: ...
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Failure]: ...
-    def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> None: ...
+    def save(self, run_id: str, kind: PackageKind, path: str, include_optimizer: bool = True) -> int | None: ...
     def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None: ...
-    def save_weights(self, run_id: str, path: str, merge: bool = False) -> None: ...
-    def export_lora(self, run_id: str, path: str) -> None: ...
-    def save_weights_for_sampler(self, run_id: str, path: str) -> int: ...
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]: ...
     def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> None: ...
     def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]: ...
+
+
+@runtime_checkable
+class Tokenizers(Protocol):
     def render_chat(self, base_model: str, messages: list[dict], add_generation_prompt: bool = True,
                     mark_assistant: bool = False) -> ChatTokens: ...
     def encode(self, base_model: str, text: str) -> list[int]: ...
     def decode(self, base_model: str, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]: ...
+
+
+@runtime_checkable
+class Housekeeping(Protocol):
     def take_lost_runs(self) -> list[str]: ...
     def page_out_idle(self) -> int: ...
-    def residency(self) -> dict: ...
-    def close(self) -> None: ...
+    def residency(self) -> Residency: ...
     @property
-    def sampling(self) -> int: ...
+    def sampling_in_flight(self) -> int: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ServedBackend(Backend, Tokenizers, Housekeeping, Protocol):
+    """A backend as `whitney serve` runs it: operations, tokenizers and housekeeping."""

@@ -15,7 +15,7 @@ from starlette.routing import Match, Mount
 
 from whitney import backends
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable
-from whitney.protocol.backend import Backend, BackendSpec
+from whitney.protocol.backend import BackendSpec, ServedBackend
 from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, shown_name
 from whitney.protocol.files import remove_leftovers
 from whitney.service.api import tinker
@@ -72,7 +72,8 @@ class ServiceConfig:
     worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thread: bool = True) -> FastAPI:
+def create_app(config: ServiceConfig, backend: ServedBackend | None = None,
+               worker_thread: bool = True) -> FastAPI:
     """Build the app. The base models are loaded here, before the first request (by default into an
     in-process engine; `backend` may be any other, its models already loaded).
 
@@ -129,7 +130,7 @@ def create_app(config: ServiceConfig, backend: Backend | None = None, worker_thr
     return app
 
 
-def start_backend(config: ServiceConfig, shown: list[str]) -> Backend:
+def start_backend(config: ServiceConfig, shown: list[str]) -> ServedBackend:
     """The configured backend (whitney/backends, by name) with the models loaded (`shown`: the name each is
     served under)."""
     # Sampling prefills at most one engine call's budget of prompt tokens per step, as training does.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from whitney.errors import InvalidInput, NotFound
+from whitney.protocol.backend import PackageKind
 from whitney.protocol.training import LoraConfig
 from whitney.service.http.deps import ServiceState
 from whitney.service.store.database import new_id
@@ -36,10 +37,10 @@ async def export_peft(st: ServiceState, owner: str, package_id: str) -> dict:
     def export() -> None:
         backend.create_run(scratch, package["base_model"], lora, package["path"])
         try:
-            backend.export_lora(scratch, path)
+            backend.save(scratch, PackageKind.LORA, path)
         finally:
             backend.delete_run(scratch)
 
     await asyncio.wrap_future(st.scheduler.call(export))
-    return st.store.register_package(package["run_id"], owner, "lora", f"{package['name']}-v{package['version']}",
+    return st.store.register_package(package["run_id"], owner, PackageKind.LORA.value, f"{package['name']}-v{package['version']}",
                                      path, package["base_model"], False, new_package)

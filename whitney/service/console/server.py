@@ -111,7 +111,7 @@ def server_view(st: ServiceState, throughput: Throughput) -> dict:
     config = st.scheduler.backend.config
     return {
         "models": models,
-        "queue": {**queries.queue_depth(st.store), "sampling_in_flight": st.scheduler.backend.sampling},
+        "queue": {**queries.queue_depth(st.store), "sampling_in_flight": st.scheduler.backend.sampling_in_flight},
         "runs": {status: counts["runs"].get(status, 0) for status in ("active", "finishing", "cancelling")},
         "live_runs": len(live),
         "sessions": counts["sessions"].get("active", 0),

@@ -91,7 +91,7 @@ class _Holdings:
         for status in SessionStatus:
             sessions.add_metric([status], counts["sessions"].get(status, 0))
         sampling = GaugeMetricFamily("whitney_sampling_requests_in_flight", "Sampling requests the backend holds")
-        sampling.add_metric([], backend.sampling)
+        sampling.add_metric([], backend.sampling_in_flight)
         models = GaugeMetricFamily("whitney_base_model_bytes", "Frozen base weights per base model",
                                    labels=["model", "device", "dtype"])
         for name in st.models:
@@ -103,24 +103,27 @@ class _Holdings:
             adapters.add_metric([run["id"], run["base_model"]], st.quotas.run_bytes(run["base_model"], run["lora"]))
         yield from (runs, sessions, sampling, models, adapters)
         residency = backend.residency()
-        for name, text in (("runs_in_memory", "Runs whose state the backend holds in memory"),
-                           ("runs_paged_out", "Idle runs whose state is paged out to disk")):
+        for name, value, text in (
+                ("runs_in_memory", residency.in_memory, "Runs whose state the backend holds in memory"),
+                ("runs_paged_out", residency.paged_out, "Idle runs whose state is paged out to disk")):
             gauge = GaugeMetricFamily(f"whitney_{name}", text)
-            gauge.add_metric([], residency[name.removeprefix("runs_")])
+            gauge.add_metric([], value)
             yield gauge
-        for name, text in (("page_outs", "Runs paged out so far"), ("page_ins", "Runs paged back in so far"),
-                           ("page_out_seconds", "Time spent paging runs out"),
-                           ("page_in_seconds", "Time spent paging runs back in"),
-                           ("moment_reads", "Paged-in runs' AdamW moments read back at their first optimizer use"),
-                           ("moment_read_seconds", "Time spent reading AdamW moments back")):
-            counter = CounterMetricFamily(f"whitney_{name}", text)
-            counter.add_metric([], residency.get(name, 0))
+        for name, events, counted, timed, timings in (
+                ("page_out", residency.page_outs, "Runs paged out so far", "Time spent paging runs out",
+                 "Seconds each page-out took"),
+                ("page_in", residency.page_ins, "Runs paged back in so far", "Time spent paging runs back in",
+                 "Seconds each page-in took"),
+                ("moment_read", residency.moment_reads,
+                 "Paged-in runs' AdamW moments read back at their first optimizer use",
+                 "Time spent reading AdamW moments back", "Seconds each read of AdamW moments took")):
+            counter = CounterMetricFamily(f"whitney_{name}s", counted)
+            counter.add_metric([], events.count)
+            seconds = CounterMetricFamily(f"whitney_{name}_seconds", timed)
+            seconds.add_metric([], events.seconds)
             yield counter
-        for name, seconds, text in (("page_out", "page_out_seconds", "Seconds each page-out took"),
-                                    ("page_in", "page_in_seconds", "Seconds each page-in took"),
-                                    ("moment_read", "moment_read_seconds", "Seconds each read of AdamW moments took")):
-            counts = residency.get(f"{name}_histogram")
-            if counts:  # {upper bound: count}, the last "+Inf": Prometheus wants them cumulative
-                cumulative = list(zip(counts, itertools.accumulate(counts.values())))
-                yield HistogramMetricFamily(f"whitney_{name}_duration_seconds", text, buckets=cumulative,
-                                            sum_value=residency.get(seconds, 0.0))
+            yield seconds
+            if events.histogram:  # {upper bound: count}, the last "+Inf": Prometheus wants them cumulative
+                cumulative = list(zip(events.histogram, itertools.accumulate(events.histogram.values())))
+                yield HistogramMetricFamily(f"whitney_{name}_duration_seconds", timings, buckets=cumulative,
+                                            sum_value=events.seconds)

@@ -41,7 +41,7 @@ def end_of_part(backend: Backend, operation: dict, progress: Progress, result: F
     try:
         if isinstance(result, Failure):
             if progress.staged:
-                backend.discard_gradients(operation["run_id"], operation["id"])
+                backend.settle_gradients(operation["run_id"], operation["id"], keep=False)
             if result.datum_index is not None:  # the index within the whole operation
                 result = replace(result, datum_index=result.datum_index + start)
             return operation, None, result
@@ -50,12 +50,12 @@ def end_of_part(backend: Backend, operation: dict, progress: Progress, result: F
         if end < datums:
             return None
         if progress.staged and backward:
-            backend.commit_gradients(operation["run_id"], operation["id"])
+            backend.settle_gradients(operation["run_id"], operation["id"], keep=True)
         return operation, forward_result_dict(merge_results(progress.parts)), None
     except Exception as e:
         if progress.staged:
             try:
-                backend.discard_gradients(operation["run_id"], operation["id"])
+                backend.settle_gradients(operation["run_id"], operation["id"], keep=False)
             except Exception:
                 log.exception("discarding the staged gradient of %s failed too", operation["id"])
         return operation, None, e

@@ -7,10 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from whitney.errors import InvalidInput
-from whitney.protocol.backend import Backend
+from whitney.protocol.backend import Backend, PackageKind
 from whitney.service.scheduling.jobs import LoadJob, SaveJob, public_package
 from whitney.service.store.database import Store, new_id
 from whitney.service.store.lifecycle import OperationKind
+
+
+# Each save operation and the package it writes (save_weights with merge writes a merged one).
+SAVES = {OperationKind.SAVE_STATE: PackageKind.STATE, OperationKind.SAVE_WEIGHTS: PackageKind.WEIGHTS,
+         OperationKind.EXPORT_LORA: PackageKind.LORA, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER: PackageKind.SAMPLER}
 
 
 def execute(backend: Backend, store: Store, data_dir: Path, op: dict, job: LoadJob | SaveJob) -> dict:
@@ -22,24 +27,17 @@ def execute(backend: Backend, store: Store, data_dir: Path, op: dict, job: LoadJ
     run = store.get_run(run_id)
     package_id = new_id("pkg")
     path = str(Path(data_dir) / "packages" / package_id)
-    if kind == OperationKind.SAVE_STATE:
-        backend.save_state(run_id, path, include_optimizer=job.include_optimizer)
-        package = store.register_package(run_id, run["owner"], "state", job.name, path,
-                                         run["base_model"], job.include_optimizer, package_id)
-    elif kind == OperationKind.SAVE_WEIGHTS:
-        backend.save_weights(run_id, path, merge=job.merge)
-        package = store.register_package(run_id, run["owner"], "merged" if job.merge else "weights",
-                                         job.name, path, run["base_model"], False, package_id)
-    elif kind == OperationKind.EXPORT_LORA:
-        backend.export_lora(run_id, path)
-        package = store.register_package(run_id, run["owner"], "lora", job.name, path,
-                                         run["base_model"], False, package_id)
-    elif kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER:
-        # Also on disk, so the version outlives the run and a restart (and reaches every sampler worker).
-        version = backend.save_weights_for_sampler(run_id, path)
-        package = store.register_package(run_id, run["owner"], "sampler", job.name or str(version),
-                                         path, run["base_model"], False, package_id)
-        return {"version": version, "package": public_package(package)}
-    else:
+    package_kind = SAVES.get(kind)
+    if package_kind is None:
         raise InvalidInput(f"unknown operation kind {kind!r}", field="kind")
+    if package_kind == PackageKind.WEIGHTS and job.merge:
+        package_kind = PackageKind.MERGED
+    include_optimizer = package_kind == PackageKind.STATE and job.include_optimizer
+    # A sampler version is also on disk, so it outlives the run and a restart (and reaches every sampler worker).
+    version = backend.save(run_id, package_kind, path, include_optimizer=include_optimizer)
+    name = job.name or (str(version) if package_kind == PackageKind.SAMPLER else None)
+    package = store.register_package(run_id, run["owner"], package_kind.value, name, path, run["base_model"],
+                                     include_optimizer, package_id)
+    if package_kind == PackageKind.SAMPLER:
+        return {"version": version, "package": public_package(package)}
     return {"package": public_package(package)}

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from whitney.protocol.backend import Backend, Failure, Weights
+from whitney.protocol.backend import Failure, ServedBackend, Weights
 from whitney.protocol.sampling import SampleProgress, SamplingParams
 from whitney.protocol.training import ForwardRequest, LoraConfig
 from whitney.service.scheduling.jobs import ForwardJob, Job, OptimJob, Refused
@@ -45,7 +45,7 @@ log = logging.getLogger("whitney.scheduler")
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, store: Store, data_dir: Path, max_batch_tokens: int = 8192,
+    def __init__(self, backend: ServedBackend, store: Store, data_dir: Path, max_batch_tokens: int = 8192,
                  session_timeout: float = 600.0, recent_seconds: float = 2.0, expiry_interval: float = 5.0):
         self.backend = backend
         self.store = store

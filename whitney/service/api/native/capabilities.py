@@ -51,8 +51,8 @@ def capabilities(st: State) -> dict:
 
 
 def _residency(st) -> dict:
-    counts = st.scheduler.backend.residency()
-    return {"in_memory": counts["in_memory"], "paged_out": counts["paged_out"]}
+    residency = st.scheduler.backend.residency()
+    return {"in_memory": residency.in_memory, "paged_out": residency.paged_out}
 
 
 @router.get("/quota")
