@@ -583,7 +583,7 @@ def test_api_keys_isolate_owners(make_server):
 
 
 def test_idle_session_expires_and_cancels_its_runs(make_server):
-    server = make_server(session_timeout=1.0)
+    server = make_server(session_timeout=1.0, expiry_interval=0.05)  # the reaper at each idle turn, not every 5 s
     http = server.http()
     sid, rid = new_run(http, seed=1)
     queued = expect(http.post(f"/v1/runs/{rid}/forward", json=fb_body(1)), 202)

@@ -66,7 +66,7 @@ class Recording(FakeBackend):
         return super().optim_steps(steps)
 
     def run_batch(self, requests, backward):
-        time.sleep(self.seconds)
+        time.sleep(self.seconds)  # the point: a training call that takes this long, timed by the scheduler
         return super().run_batch(requests, backward)
 
 
@@ -107,7 +107,9 @@ def test_a_short_sample_is_not_held_one_step_per_training_call(tmp_path):
     try:
         open_run("r")
         training = [submit("r", s, "forward_backward", fb(3)) for s in range(30)]
-        while not any(c[0] == "run_batch" for c in backend.calls):
+        deadline = time.monotonic() + 30
+        while not any(c[0] == "run_batch" for c in backend.calls):  # training has begun
+            assert time.monotonic() < deadline, "no training call began"
             time.sleep(0.01)
         op, _ = store.submit_operation("me", None, None, "sample", "")
         calls_before = sum(c[0] == "run_batch" for c in backend.calls)
