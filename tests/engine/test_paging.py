@@ -261,7 +261,8 @@ def test_only_idle_runs_are_paged_and_validate_never_pages_in(tiny_llama, tmp_pa
     engine.create_run("idle", tiny_llama, LORA)
     engine.create_run("busy", tiny_llama, LORA)
     assert engine.page_out_idle() == 0, "nothing is idle yet"
-    time.sleep(1.05)
+    for run_id in ("idle", "busy"):  # both last used 1.05 s ago (the pager's clock, not a wait)
+        engine.pager.last_used[run_id] -= 1.05
     engine.get_run("busy")  # a use
     engine.pager._next_sweep = 0.0
     assert engine.page_out_idle() == 1 and not engine.pager.settle()

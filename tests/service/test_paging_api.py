@@ -82,7 +82,7 @@ def test_a_run_in_use_is_not_paged_out(make_server, tmp_path):
     for _ in range(7):  # 7 s of use, never 5 s apart
         run.forward_backward(sft_batch()).result()
         assert _runs(http)["paged_out"] == 0
-        time.sleep(1.0)
+        time.sleep(1.0)  # the point: a client's pause between uses, well under the idle time the test sets
     until(lambda: _runs(http)["paged_out"] == 1, 30, "paged out once idle")
 
 

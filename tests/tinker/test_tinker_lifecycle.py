@@ -51,7 +51,9 @@ def keyed(tmp_path_factory, tiny_llama):
     server.stop()
 
 
-def test_ttl_and_user_metadata(tinker_env, service_client, tiny_llama):
+def test_ttl_and_user_metadata(tinker_env, service_client, tiny_llama, monkeypatch):
+    # The reaper at each idle turn of the worker loop (not every 5 s), for the short TTL at the end.
+    monkeypatch.setattr(tinker_env.app.state.whitney.scheduler, "expiry_interval", 0.05)
     tc = trained(service_client, tiny_llama)
     rest = tinker.RestClient()
     path = tc.save_state("with-meta", ttl_seconds=3600, user_metadata={"step": "1", "data": "gsm8k"}).result().path
@@ -77,9 +79,9 @@ def test_ttl_and_user_metadata(tinker_env, service_client, tiny_llama):
     files = Path(tinker_env.app.state.whitney.store.get_package(pkg["id"])["path"])
     assert files.is_dir()
     deadline = time.monotonic() + 20
-    while files.exists():
+    while files.exists():  # polled: the reaper deletes them on its next pass past the expiry
         assert time.monotonic() < deadline, "the expired checkpoint's files were never deleted"
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert path not in {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
     with pytest.raises(tinker.NotFoundError):
         service_client.create_training_client_from_state(path).result()
