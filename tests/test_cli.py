@@ -55,8 +55,8 @@ def test_serve_prints_its_url_and_requires_the_api_key(tiny_llama, tmp_path):
     assert proc.returncode == 0, out
     # It logs each request and each operation that ended, and says that it stops.
     assert re.search(r'INFO uvicorn.access: .* "POST /v1/sessions HTTP/1.1" 201', out), out
-    assert re.search(rf"INFO whitney.scheduler: optim_step {op['id']} of run {run.json()['id']} \(seq_id 0\) "
-                     r"succeeded, [\d.]+ s after it was submitted", out), out
+    assert re.search(rf"INFO whitney.service.scheduling.ends: optim_step {op['id']} of run {run.json()['id']} "
+                     r"\(seq_id 0\) succeeded, [\d.]+ s after it was submitted", out), out
     assert "Whitney is stopping (SIGTERM)" in out and out.rstrip().endswith("Whitney stopped."), out
 
 

@@ -317,7 +317,7 @@ def test_a_streaming_sample_reports_each_token_before_it_ends(fake):
 
     assert asyncio.run(drain()) == [0, 1, 2, 3]  # the fifth ends the request: it is in the result only
     assert wait(scheduler.store, op)["result"]["sequences"][0]["tokens"] == [0, 1, 2, 3, 4]
-    assert op["id"] not in scheduler._streams
+    assert op["id"] not in scheduler.ends.streams
 
 
 def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):

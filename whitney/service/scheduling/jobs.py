@@ -1,5 +1,5 @@
-"""Typed jobs: what an operation asks the backend to do, parked in the scheduler under its seq_id; and
-the conversions of the backend's results to the wire's plain data (datums in: service/images.py `datums`)."""
+"""Typed jobs: what an operation asks the backend to do, parked in the scheduler under its seq_id (datums in:
+api/images.py `datums`; results out: results.py)."""
 
 from __future__ import annotations
 
@@ -52,25 +52,3 @@ class Refused:
 
 Job = ForwardJob | OptimJob | SaveJob | LoadJob | Refused
 
-
-def public_package(package: dict) -> dict:
-    """A package as clients see it: no owner digest, no server path."""
-    return {k: v for k, v in package.items() if k not in ("owner", "path", "deleted", "readers")}
-
-
-def forward_result_dict(result) -> dict:
-    return {
-        "loss": result.loss,
-        "metrics": result.metrics,
-        "outputs": [{"logprobs": o.logprobs, "elementwise_loss": o.elementwise_loss} for o in result.outputs],
-    }
-
-
-def sample_result_dict(result) -> dict:
-    return {
-        "sequences": [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
-                      for s in result.sequences],
-        "prompt_logprobs": result.prompt_logprobs,
-        "topk_prompt_logprobs": result.topk_prompt_logprobs,
-        "target_prompt_logprobs": result.target_prompt_logprobs,
-    }

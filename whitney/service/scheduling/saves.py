@@ -8,7 +8,8 @@ from pathlib import Path
 
 from whitney.errors import InvalidInput
 from whitney.protocol.backend import Backend, PackageKind
-from whitney.service.scheduling.jobs import LoadJob, SaveJob, public_package
+from whitney.service.scheduling.jobs import LoadJob, SaveJob
+from whitney.service.scheduling.results import public_package
 from whitney.service.store.database import Store, new_id
 from whitney.service.store.lifecycle import OperationKind
 

@@ -32,7 +32,7 @@ from whitney.service.api.openai.text import TextStream
 from whitney.service.api.tinker.common import parse_path, resolve_path
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.scheduling.limits import check_stops
-from whitney.service.scheduling.queues import SampleStream
+from whitney.service.scheduling.streams import SampleStream
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationKind, OperationStatus
 
 router = APIRouter(prefix="/v1", tags=["openai"])
