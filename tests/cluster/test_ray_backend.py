@@ -13,7 +13,7 @@ from whitney.backends.ray.proxy import Placement, RayBackend
 from whitney.backends.in_process import InProcessBackend
 from whitney.engine import AdamParams, Datum, ForwardRequest, LoraConfig, Weights
 from whitney.errors import InvalidInput, NotFound
-from whitney.protocol.backend import Failure
+from whitney.protocol.backend import Failure, PackageKind, ServedBackend
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SamplingParams
 
@@ -50,6 +50,13 @@ def both(backends, method: str, *args):
     return [getattr(b, method)(*args) for b in backends]
 
 
+def optim_step(backend, run_id: str, params: AdamParams) -> dict[str, float]:
+    """One run's optimizer step (the protocol's optim_steps with one step): its metrics."""
+    (metrics,) = backend.optim_steps([(run_id, params)])
+    assert not isinstance(metrics, Failure), metrics
+    return metrics
+
+
 def assert_results_equal(a, b) -> None:
     assert not isinstance(a, Failure) and not isinstance(b, Failure), (a, b)
     assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=1e-6)
@@ -58,6 +65,10 @@ def assert_results_equal(a, b) -> None:
         assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-6, abs=1e-6), key
     for oa, ob in zip(a.outputs, b.outputs, strict=True):
         torch.testing.assert_close(torch.tensor(oa.logprobs), torch.tensor(ob.logprobs), atol=1e-6, rtol=0)
+
+
+def test_both_are_served_backends(backends):
+    assert all(isinstance(b, ServedBackend) for b in backends)
 
 
 def test_training_equals_in_process(backends, tmp_path):
@@ -70,10 +81,10 @@ def test_training_equals_in_process(backends, tmp_path):
         for r, l in zip(remote, local, strict=True):
             assert_results_equal(r, l)
         for run_id in ("a", "b"):
-            m_remote, m_local = both(backends, "optim_step", run_id, AdamParams(learning_rate=1e-2))
+            m_remote, m_local = (optim_step(b, run_id, AdamParams(learning_rate=1e-2)) for b in backends)
             assert m_remote == pytest.approx(m_local, rel=1e-6)  # grad norms: the gradients agree
     for i, backend in enumerate(backends):
-        backend.save_state("a", str(tmp_path / f"a{i}"), True)
+        backend.save("a", PackageKind.STATE, str(tmp_path / f"a{i}"), True)
     for name in ("adapter.safetensors", "optimizer.safetensors"):
         remote, local = (load_file(tmp_path / f"a{i}" / name) for i in range(2))
         assert remote.keys() == local.keys()
@@ -87,11 +98,13 @@ def test_sampler_replica_serves_frozen_versions(backends, tmp_path):
     """Version N is written by the trainer and loaded by the replica; sampling and scoring equal in-process."""
     both(backends, "create_run", "s", "tiny", LORA)
     both(backends, "run_batch", [ForwardRequest("s", data(1))], True)
-    both(backends, "optim_step", "s", AdamParams(learning_rate=5e-2))
-    versions = [b.save_weights_for_sampler("s", str(tmp_path / f"v1-{i}")) for i, b in enumerate(backends)]
+    for backend in backends:
+        optim_step(backend, "s", AdamParams(learning_rate=5e-2))
+    versions = [b.save("s", PackageKind.SAMPLER, str(tmp_path / f"v1-{i}")) for i, b in enumerate(backends)]
     assert versions == [1, 1]
     both(backends, "run_batch", [ForwardRequest("s", data(2))], True)  # the trainer moves on
-    both(backends, "optim_step", "s", AdamParams(learning_rate=5e-2))
+    for backend in backends:
+        optim_step(backend, "s", AdamParams(learning_rate=5e-2))
     weights = Weights(run_id="s", version=1)
     sequence = data(3)[0].token_ids
     remote, local = both(backends, "compute_logprobs", [sequence], weights)
@@ -136,7 +149,7 @@ def test_two_models_on_two_nodes(ray_cluster, tiny_llama, tiny_qwen3):
     backend = RayBackend(CONFIG, [Placement(tiny_llama, "llama", resources={"node_a": 1}),
                                   Placement(tiny_qwen3, "qwen", resources={"node_b": 1})])
     try:
-        nodes = backend.nodes()
+        nodes = backend.supervisor.nodes()
         assert nodes["llama"][0] != nodes["qwen"][0], "each model's trainer on its own node"
         assert set(backend.models) == {"llama", "qwen"} and backend.models["qwen"].model_type == "qwen3"
         backend.create_run("l", "llama", LORA)
@@ -162,7 +175,7 @@ def test_a_trainer_that_dies_while_idle_is_noticed_by_the_heartbeat(ray_cluster,
     try:
         backend.create_run("idle", "qwen", LORA)
         assert backend.take_lost_runs() == []
-        os.kill(backend.pids("qwen")[0], signal.SIGKILL)  # no call in flight
+        os.kill(backend.supervisor.pids("qwen")[0], signal.SIGKILL)  # no call in flight
         deadline, lost = time.monotonic() + 30, []
         while not lost:
             assert time.monotonic() < deadline, "the heartbeat never noticed"
@@ -189,7 +202,7 @@ def test_every_worker_process_takes_the_thread_setting(ray_cluster, tiny_llama):
     backend = RayBackend(replace(CONFIG, threads=1), [Placement(tiny_llama, "tiny", num_cpus=2, shards=2,
                                                                 samplers=1, resources={"node_a": 1})])
     try:
-        actors = [actor for worker in backend._workers() for actor in worker.ranks]
+        actors = [actor for worker in backend.supervisor.workers() for actor in worker.ranks]
         assert len(actors) == 3  # two ranks, one sampler replica
         assert [_threads(a) for a in actors] == [1] * 3
         assert backend.models["tiny"].compute_threads == 1
@@ -199,7 +212,7 @@ def test_every_worker_process_takes_the_thread_setting(ray_cluster, tiny_llama):
         backend = RayBackend(replace(CONFIG, threads=setting),
                              [Placement(tiny_llama, "tiny", num_cpus=2, samplers=1, resources={"node_b": 1})])
         try:
-            workers = [a for w in backend._workers() for a in w.ranks]
+            workers = [a for w in backend.supervisor.workers() for a in w.ranks]
             assert backend.models["tiny"].compute_threads == 2, setting  # the ceiling, as loaded
             assert all(1 <= _threads(a) <= 2 for a in workers), setting  # "auto": fewer while the CPUs are busy
             adaptive = [__import__("ray").get(a.__ray_call__.remote(lambda w: w.threads.adaptive)) for a in workers]

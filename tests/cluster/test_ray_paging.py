@@ -24,13 +24,13 @@ def test_ray_trainer_pages_idle_runs_out_and_back_in(ray_cluster, tiny_llama, tm
             backend.create_run("r", "tiny", LORA)
         assert ray_backend.page_out_idle() == 1
         # the trainer's writer thread writes the files after page_out_idle returns; in memory until written
-        counts = until(lambda: (c := ray_backend.residency())["page_outs"] == 1 and c, 30, "the page file written")
-        assert (counts["in_memory"], counts["paged_out"]) == (0, 1)
+        counts = until(lambda: (c := ray_backend.residency()).page_outs.count == 1 and c, 30, "the page file written")
+        assert (counts.in_memory, counts.paged_out) == (0, 1)
         assert list((tmp_path / "paged").glob("engine-*/run-*")), "the page file is where the config says"
         assert ray_backend.page_out_idle() == 0, "asked at most once a second"
         (paged,), (kept,) = [b.run_batch([ForwardRequest("r", data(1))], backward=True) for b in (ray_backend, local)]
         assert_results_equal(paged, kept)  # as test_ray_backend compares them (exactness: tests/engine/test_paging.py)
         counts = ray_backend.residency()
-        assert (counts["in_memory"], counts["paged_out"], counts["page_ins"]) == (1, 0, 1)
+        assert (counts.in_memory, counts.paged_out, counts.page_ins.count) == (1, 0, 1)
     finally:
         ray_backend.close()

@@ -99,7 +99,7 @@ def test_a_killed_worker_fails_its_operation_and_its_runs_resume_from_a_checkpoi
         queued = expect(http.post(f"/v1/runs/{victim}/optim_step", json={**step, "seq_id": 4}), 202)
         until(lambda: expect(http.get(f"/v1/operations/{op['id']}"), 200)["status"] == "running", 30,
               "the long operation runs")
-        pid = backend.pids(llama)[0]
+        pid = backend.supervisor.pids(llama)[0]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         failed = poll(http, op["id"], 30)
@@ -123,7 +123,7 @@ def test_a_killed_worker_fails_its_operation_and_its_runs_resume_from_a_checkpoi
             assert response.status_code in (201, 503), response.text
             return response.json() if response.status_code == 201 else None
         resumed = until(resume, 120, "the restarted worker takes the resumed run")
-        assert backend.pids(llama)[0] != pid
+        assert backend.supervisor.pids(llama)[0] != pid
         version = succeeded(http, expect(http.post(f"/v1/runs/{resumed['id']}/save_weights_for_sampler",
                                                    json={"seq_id": 0}), 202)["id"])["version"]
         rescored = succeeded(http, expect(http.post("/v1/logprobs", json={

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from tests.cluster.test_ray_backend import CONFIG, LORA, assert_results_equal, both, data
+from tests.cluster.test_ray_backend import CONFIG, LORA, assert_results_equal, both, data, optim_step
 from whitney.backends.ray.proxy import Placement, RayBackend
 from whitney.backends.in_process import InProcessBackend
 from whitney.engine import AdamParams, ForwardRequest, LoraConfig, Weights
 from whitney.errors import Unavailable
-from whitney.protocol.backend import Failure
+from whitney.protocol.backend import Failure, PackageKind
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def sharded(ray_cluster, tiny_qwen3):
 
 def test_sharded_trainer_equals_in_process(sharded, tmp_path):
     ray_backend, local = sharded
-    assert len(ray_backend.pids("qwen")) == 3, "two ranks and a replica"
+    assert len(ray_backend.supervisor.pids("qwen")) == 3, "two ranks and a replica"
     both(sharded, "create_run", "a", "qwen", LORA)
     both(sharded, "create_run", "b", "qwen", LoraConfig(rank=8, seed=2, train_unembed=False))
     for step in range(3):
@@ -38,29 +38,29 @@ def test_sharded_trainer_equals_in_process(sharded, tmp_path):
         for r, l in zip(*both(sharded, "run_batch", requests, True), strict=True):
             assert_results_equal(r, l)
         for run_id in ("a", "b"):
-            m_remote, m_local = both(sharded, "optim_step", run_id, AdamParams(learning_rate=1e-2))
+            m_remote, m_local = (optim_step(b, run_id, AdamParams(learning_rate=1e-2)) for b in sharded)
             assert m_remote == pytest.approx(m_local, rel=1e-5)
     # A sampler version is an ordinary file the (unsharded) replica loads: same log-probs.
-    versions = [b.save_weights_for_sampler("a", str(tmp_path / f"v{i}")) for i, b in enumerate(sharded)]
+    versions = [b.save("a", PackageKind.SAMPLER, str(tmp_path / f"v{i}")) for i, b in enumerate(sharded)]
     assert versions == [1, 1]
     sequence = data(5)[0].token_ids
     remote, local_lp = both(sharded, "compute_logprobs", [sequence], Weights(run_id="a", version=1))
     torch.testing.assert_close(torch.tensor(remote[0][1:]), torch.tensor(local_lp[0][1:]), atol=1e-5, rtol=0)
 
     # save_state on two ranks is sharded; it resumes on an unsharded engine exactly.
-    ray_backend.save_state("a", str(tmp_path / "sharded"), True)
+    ray_backend.save("a", PackageKind.STATE, str(tmp_path / "sharded"), True)
     assert (tmp_path / "sharded" / "__1_0.distcp").exists()
     local.create_run("resumed", "qwen", LORA, str(tmp_path / "sharded"), True)
     (r,), (l,) = (b.run_batch([ForwardRequest(run, data(7))], False) for b, run in zip(sharded, ("a", "resumed")))
     assert_results_equal(r, l)
-    m_remote, m_local = ray_backend.optim_step("a", AdamParams()), local.optim_step("resumed", AdamParams())
+    m_remote, m_local = optim_step(ray_backend, "a", AdamParams()), optim_step(local, "resumed", AdamParams())
     assert m_remote == m_local  # no gradient: both step from the same moments
 
 
 def test_a_dead_rank_takes_its_group_down_and_back(sharded):
     ray_backend, _ = sharded
     ray_backend.create_run("k", "qwen", LORA)
-    rank1 = ray_backend.pids("qwen")[1]
+    rank1 = ray_backend.supervisor.pids("qwen")[1]
     os.kill(rank1, signal.SIGKILL)
     (failure,) = ray_backend.run_batch([ForwardRequest("k", data(0))], True)
     assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
@@ -73,6 +73,6 @@ def test_a_dead_rank_takes_its_group_down_and_back(sharded):
         except Unavailable:
             assert time.monotonic() < deadline, "the group never came back"
             time.sleep(0.5)
-    assert rank1 not in ray_backend.pids("qwen")
+    assert rank1 not in ray_backend.supervisor.pids("qwen")
     (result,) = ray_backend.run_batch([ForwardRequest("k2", data(0))], True)
     assert not isinstance(result, Failure), result

@@ -1,4 +1,4 @@
-"""Images through the Ray backend (engine/ray_backend.py): a request with image chunks is validated by the worker
+"""Images through the Ray backend (backends/ray): a request with image chunks is validated by the worker
 (whose processor expands them), and forward, compute_logprobs and sampling with images equal the in-process
 backend. Workers are real Ray actors on a local Ray instance; skipped when Ray is not installed."""
 

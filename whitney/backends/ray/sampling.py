@@ -1,0 +1,110 @@
+"""Sampling and scoring on the Ray backend: which worker takes a request, which weights it names, and the
+requests in flight on each worker.
+
+Sampler replicas (`Placement.samplers` per model) hold no runs: a run's sampler version N is the state file the
+trainer writes when saved (`PackageKind.SAMPLER`) to a shared directory, and every replica loads it (checksums
+verified) before the save returns (`publish`), so any sample on N finds it everywhere and never sees newer trainer
+weights; a replica that restarts loads versions again on first use. A request goes to the least busy usable
+replica of its model, or to the trainer when the model has none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from whitney.backends.ray.calls import SampleSteps, SubmitSample, Warm
+from whitney.backends.ray.supervisor import Supervisor
+from whitney.backends.ray.workers import Role, Worker
+from whitney.engine.training.checkpoint import read_manifest
+from whitney.errors import NotFound, Unavailable
+from whitney.protocol.backend import Failure, Weights, WorkerLost
+from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
+
+SAMPLER_STEP_SECONDS = 0.05  # a replica decodes for this long per call (one step: the trainer, which trains too)
+
+
+class Sampling:
+    """The runs' sampler versions (their files, by run and version) and the sampling requests in flight."""
+
+    def __init__(self, supervisor: Supervisor):
+        self.supervisor = supervisor
+        self._lock = supervisor.lock
+        self._versions: dict[tuple[str, int], str] = {}  # (run, version) -> its state file directory
+
+    def publish(self, model: str, run_id: str, version: int, path: str) -> None:
+        """Version `version` of the run, just written to `path`: loaded by every usable replica of the model."""
+        replicas = [w for w in self.supervisor.samplers[model] if self.supervisor.usable(w)]
+        for worker, refs in [(w, w.submit(Warm(path))) for w in replicas]:
+            try:
+                self.supervisor.result(worker, refs)
+            except WorkerLost:
+                pass  # it loads the version from the file on first use once restarted
+        with self._lock:
+            self._versions[(run_id, version)] = path
+
+    def forget(self, run_id: str) -> None:
+        with self._lock:
+            for key in [k for k in self._versions if k[0] == run_id]:
+                del self._versions[key]
+
+    def worker(self, weights: Weights) -> tuple[Worker, Weights]:
+        """The least busy usable replica of the weights' model, and the weights as it names them (a run's
+        version by its file); the trainer when the model has no replicas."""
+        if weights.run_id is not None:
+            model = self.supervisor.trainer_of_run(weights.run_id).model
+            if self.supervisor.samplers[model]:
+                with self._lock:
+                    path = self._versions.get((weights.run_id, weights.version))
+                if path is None:
+                    raise NotFound(f"run {weights.run_id!r} has no sampler version {weights.version}",
+                                   field="version")
+                weights = Weights(checkpoint_path=path)
+        elif weights.checkpoint_path is not None:
+            model = self.supervisor.model(read_manifest(weights.checkpoint_path)["base_model"])
+        else:
+            model = self.supervisor.model(weights.base_model)
+            weights = replace(weights, base_model=model)
+        candidates = [w for w in self.supervisor.samplers[model] or [self.supervisor.trainers[model]]
+                      if self.supervisor.usable(w)]
+        if not candidates:
+            raise Unavailable(f"every sampling worker of {model!r} is restarting after a failure; try again shortly",
+                              field="base_model")
+        return min(candidates, key=lambda w: len(w.inflight)), weights
+
+    def submit(self, request_id: str, prompt: list, params: SamplingParams, weights: Weights, stream: bool) -> None:
+        worker, weights = self.worker(weights)
+        self.supervisor.call(worker, SubmitSample(request_id, prompt, params, weights, stream))
+        with self._lock:
+            worker.inflight.add(request_id)
+
+    def step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
+        """Keep one decode call outstanding on every worker with requests in flight; wait briefly for one
+        to answer; the streaming requests' progress and the requests that ended (those of a worker that
+        died: WorkerLost)."""
+        ray = self.supervisor.ray
+        with self._lock:
+            busy = [w for w in self.supervisor.workers() if w.inflight]
+            for w in busy:
+                if w.stepping is None:
+                    w.stepping = w.submit(SampleSteps(SAMPLER_STEP_SECONDS if w.role == Role.SAMPLER else 0.0))
+            pending = {w.stepping[0]: w for w in busy}
+        if not pending:
+            return []
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=SAMPLER_STEP_SECONDS)
+        ended: list[tuple[str, SampleResult | Failure | SampleProgress]] = []
+        for ref in ready:
+            worker = pending[ref]
+            refs, worker.stepping = worker.stepping, None
+            try:
+                ended += self.supervisor.result(worker, refs)
+            except WorkerLost as e:
+                ended += [(request_id, Failure.of(e)) for request_id in worker.inflight]
+            with self._lock:
+                worker.inflight -= {r for r, outcome in ended if not isinstance(outcome, SampleProgress)}
+        return ended
+
+    @property
+    def in_flight(self) -> int:
+        """Sampling requests in flight on every worker."""
+        with self._lock:
+            return sum(len(w.inflight) for w in self.supervisor.workers())

@@ -1,0 +1,238 @@
+"""The Ray backend's supervisor: it starts every model's workers, notices the ones that die, restarts them, and
+keeps which trainer holds each run, so the runs a dead trainer held are reported lost.
+
+A worker is usable, or restarting (its actors describing themselves; the ranks of a sharded trainer then form
+their process group and load their shards again). Restarting is never waited for while serving: `usable` polls
+it, and a call to a worker that is restarting is refused at once with `Unavailable`. A worker dies (kill -9, a
+lost node) in a call, which fails with `WorkerLost`, or while idle, which the heartbeat in `take_lost_runs`
+notices (its process changed). Ray restarts a dead actor; the surviving ranks of a sharded trainer are killed so
+that they restart with it. A trainer's runs lived only in its memory: they are lost with it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TypeVar
+
+from whitney.backends.ray.actor import ModelWorker
+from whitney.backends.ray.calls import Call, Raised
+from whitney.backends.ray.placement import Placement
+from whitney.backends.ray.workers import Role, Worker
+from whitney.errors import InvalidInput, NotFound, Unavailable
+from whitney.protocol.backend import ModelInfo, WorkerLost, raise_failure
+from whitney.protocol.config import EngineConfig
+
+HEARTBEAT_SECONDS = 2.0  # how often an idle trainer is asked whether it is the same process
+
+T = TypeVar("T")
+
+
+class Supervisor:
+    """Every worker of the placements, their restarts, and the runs on each trainer (thread-safe)."""
+
+    def __init__(self, config: EngineConfig, placements: list[Placement], address: str | None = None):
+        import ray
+
+        self.ray = ray
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            try:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise InvalidInput(f"cannot start or reach a Ray cluster at {address or 'a new local instance'}: "
+                                   f"{e}", field="ray_address") from None
+        self.lock = threading.RLock()
+        self.trainers: dict[str, Worker] = {}
+        self.samplers: dict[str, list[Worker]] = {}
+        self.models: dict[str, ModelInfo] = {}
+        self._names: dict[str, str] = {}  # every name a model goes by (served name, --model) -> served name
+        self._run_model: dict[str, str] = {}
+        self._lost: list[str] = []
+        actor = ray.remote(ModelWorker)
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # every worker's, whoever started Ray
+        try:
+            for p in placements:
+                options = p.actor_options(env)
+                self._names[p.model] = self._names[p.name] = p.name
+                self.trainers[p.name] = Worker([actor.options(**options).remote(config, p.model, p.name, rank,
+                                                                                p.shards)
+                                                for rank in range(p.shards)], p.name, Role.TRAINER)
+                self.samplers[p.name] = [Worker([actor.options(**options).remote(config, p.model, p.name)],
+                                                p.name, Role.SAMPLER) for _ in range(p.samplers)]
+            for worker in self.workers():
+                self._begin(worker)
+            for worker in self.workers():
+                info = self._started(worker)
+                if isinstance(info, Raised):
+                    raise_failure(info.failure)
+                self.models[worker.model] = info
+        except BaseException:
+            self.close()
+            raise
+
+    def workers(self) -> list[Worker]:
+        return [*self.trainers.values(), *(w for ws in self.samplers.values() for w in ws)]
+
+    def nodes(self) -> dict[str, list[str]]:
+        """Each served model's workers' Ray node ids (trainer first)."""
+        return {m: [w.node for w in (self.trainers[m], *self.samplers[m])] for m in self.trainers}
+
+    def pids(self, model: str) -> list[int]:
+        """The process ids of a model's workers: the trainer's ranks, then each replica."""
+        return [pid for w in (self.trainers[model], *self.samplers[model]) for pid in w.pids]
+
+    # ---- models and runs ----------------------------------------------------------------------
+
+    def model(self, base_model: str | None) -> str:
+        """The served name of a model by any name it goes by (None: the first served)."""
+        name = self._names.get(base_model or next(iter(self.trainers)))
+        if name is None:
+            raise InvalidInput(f"base model {base_model!r} is not served here; served: {list(self.trainers)}",
+                               field="base_model")
+        return name
+
+    def trainer_of_run(self, run_id: str) -> Worker:
+        with self.lock:
+            if run_id in self._lost:
+                raise WorkerLost(f"run {run_id!r} was lost with its worker")
+            if run_id not in self._run_model:
+                raise NotFound(f"run {run_id!r} does not exist", field="run_id")
+            return self.trainers[self._run_model[run_id]]
+
+    def trainer(self, run_id: str | None, base_model: str | None = None) -> Worker:
+        """The trainer of a run, or without one of a base model."""
+        return self.trainer_of_run(run_id) if run_id is not None else self.trainers[self.model(base_model)]
+
+    def add_run(self, run_id: str, model: str) -> None:
+        with self.lock:
+            self._run_model[run_id] = model
+
+    def drop_run(self, run_id: str) -> str | None:
+        """Forget a run (lost or not); the model whose trainer still holds it, if any."""
+        with self.lock:
+            if run_id in self._lost:
+                self._lost.remove(run_id)
+            return self._run_model.pop(run_id, None)
+
+    def take_lost_runs(self) -> list[str]:
+        """Runs lost with their trainer since the last call. Also the heartbeat: a trainer whose process
+        changed (it died while idle and Ray restarted it) lost its runs too."""
+        now = time.monotonic()
+        for worker in list(self.trainers.values()):
+            if worker.restarting is not None:
+                continue
+            if worker.ping is None:
+                if now - worker.pinged_at >= HEARTBEAT_SECONDS:
+                    worker.ping, worker.pinged_at = [r.describe.remote() for r in worker.ranks], now
+                continue
+            ready, _ = self.ray.wait(worker.ping, num_returns=len(worker.ping), timeout=0)
+            if len(ready) < len(worker.ping):
+                continue
+            try:
+                pids = [d[1] for d in self.ray.get(worker.ping)]
+                worker.ping = None
+                if pids != worker.pids:
+                    self.lose(worker, RuntimeError(f"restarted as pids {pids}"))
+            except self.ray.exceptions.RayActorError as e:
+                self.lose(worker, e)
+        with self.lock:
+            lost, self._lost = self._lost, []
+        return lost
+
+    # ---- calls --------------------------------------------------------------------------------
+
+    def call(self, worker: Worker, call: Call[T]) -> T:
+        """The call on the worker (every rank); Unavailable at once while it restarts."""
+        if not self.usable(worker):
+            raise Unavailable(f"{worker} is restarting after a failure; try again shortly", field="base_model")
+        return self.result(worker, worker.submit(call))
+
+    def result(self, worker: Worker, refs: list):
+        """The answer to a call submitted to the worker: a WhitneyError raised there is raised here, a death is
+        WorkerLost (and the worker restarts)."""
+        try:
+            answer = worker.collect(self.ray, refs)
+        except worker.deaths(self.ray) as e:
+            raise self.lose(worker, e) from None
+        if isinstance(answer, Raised):
+            raise_failure(answer.failure)
+        return answer
+
+    def each_trainer(self, call: Call[T]) -> list[T]:
+        """The call's answer from each trainer; one lost or restarting has no runs to count."""
+        answers = []
+        for worker in list(self.trainers.values()):
+            try:
+                answers.append(self.call(worker, call))
+            except (WorkerLost, Unavailable):
+                pass
+        return answers
+
+    # ---- restarts -----------------------------------------------------------------------------
+
+    def _begin(self, worker: Worker) -> None:
+        """Begin (re)starting: describe each actor; the ranks of a sharded trainer form their group first. The
+        refs of calls still out (heartbeats, decode steps) answer for the process that died: dropped."""
+        worker.stepping = worker.ping = None
+        worker.joining = len(worker.ranks) > 1
+        worker.restarting = [r.describe.remote() for r in worker.ranks]
+
+    def _started(self, worker: Worker) -> ModelInfo | Raised | None:
+        """Wait for a start begun by _begin (at startup only: never while serving)."""
+        described = self.ray.get(worker.restarting)
+        if worker.joining:
+            address = self.ray.get(worker.ranks[0].address.remote())
+            described = self.ray.get([r.join.remote(address) for r in worker.ranks])
+        worker.restarting, worker.joining = None, False
+        worker.pids, worker.node = [d[1] for d in described], described[0][2]
+        return described[0][0]
+
+    def lose(self, worker: Worker, error: BaseException) -> WorkerLost:
+        """`worker` died (or one rank of it): what it held is gone. Its runs are reported lost; it restarts
+        (Ray restarts a dead actor; the surviving ranks of a sharded trainer are restarted with it)."""
+        with self.lock:
+            if worker.restarting is None:
+                if len(worker.ranks) > 1:
+                    for rank in worker.ranks:
+                        self.ray.kill(rank, no_restart=False)
+                self._begin(worker)
+            if worker.role == Role.TRAINER:
+                runs = [r for r, m in self._run_model.items() if m == worker.model]
+                for run_id in runs:
+                    del self._run_model[run_id]
+                self._lost.extend(runs)
+        return WorkerLost(f"{worker} died ({type(error).__name__}); Ray restarts it and reloads the base model")
+
+    def usable(self, worker: Worker) -> bool:
+        """False while the worker restarts (never waits for it)."""
+        with self.lock:
+            if worker.restarting is None:
+                return True
+            ready, _ = self.ray.wait(worker.restarting, num_returns=len(worker.restarting), timeout=0)
+            if len(ready) < len(worker.restarting):
+                return False
+            try:
+                described = self.ray.get(worker.restarting)
+            except self.ray.exceptions.RayError:
+                self._begin(worker)
+                return False
+            if worker.joining:  # every rank is back: they form their group and load their shards
+                worker.joining = False
+                address = self.ray.get(worker.ranks[0].address.remote())
+                worker.restarting = [r.join.remote(address) for r in worker.ranks]
+                return False
+            worker.pids, worker.node = [d[1] for d in described], described[0][2]
+            worker.restarting = None
+            return True
+
+    def close(self) -> None:
+        """Stop the workers (and the local Ray instance started here)."""
+        for actor in (a for w in self.workers() for a in w.ranks):
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        if self._owns_ray and self.ray.is_initialized():
+            self.ray.shutdown()
