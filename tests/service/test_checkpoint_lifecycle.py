@@ -20,7 +20,7 @@ from sqlalchemy import inspect, text
 
 from tests.service.test_flow import ADAM, expect, fb_body, succeeded, until
 from whitney.errors import Conflict, NotFound
-from whitney.service.scheduling import scheduler as scheduler_module
+from whitney.service.scheduling import reaping
 from whitney.service.store import packages, projects
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind, OperationStatus
@@ -234,7 +234,7 @@ def test_ttl_expiry_waits_for_a_queued_load_then_deletes(make_server, monkeypatc
         passes.append((began, packages.reap(store, now)))
         return passes[-1][1]
 
-    monkeypatch.setattr(scheduler_module, "reap", reap)
+    monkeypatch.setattr(reaping, "reap", reap)
     server = make_server(expiry_interval=0.05)  # a pass at each idle turn of the worker loop, not every 5 s
     http = server.http()
     _, rid = trained_run(http)

@@ -53,7 +53,7 @@ def keyed(tmp_path_factory, tiny_llama):
 
 def test_ttl_and_user_metadata(tinker_env, service_client, tiny_llama, monkeypatch):
     # The reaper at each idle turn of the worker loop (not every 5 s), for the short TTL at the end.
-    monkeypatch.setattr(tinker_env.app.state.whitney.scheduler, "expiry_interval", 0.05)
+    monkeypatch.setattr(tinker_env.app.state.whitney.scheduler.reaper, "expiry_interval", 0.05)
     tc = trained(service_client, tiny_llama)
     rest = tinker.RestClient()
     path = tc.save_state("with-meta", ttl_seconds=3600, user_metadata={"step": "1", "data": "gsm8k"}).result().path
