@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from whitney.service.store.database import OperationRow, Store
+from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind
+from whitney.service.store.tables import OperationRow
 
 WINDOW = 1000  # the newest operations of each kind whose config is read
 SHOWN = 6  # distinct values listed for a setting that is not a number

@@ -15,7 +15,7 @@ from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.backend import PackageKind
 from whitney.protocol.training import LoraConfig
 from whitney.service.http.deps import ServiceState
-from whitney.service.store.database import new_id
+from whitney.service.store.tables import new_id
 
 EXPORTABLE = ("state", "sampler")
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from sqlalchemy import String, and_, cast, func, or_, select
 
-from whitney.service.store.database import OperationRow, PackageRow, RunRow, SessionRow, Store
+from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import (OPERATION_PENDING, RUN_LIVE, SAMPLING_KINDS, OperationKind,
                                              OperationStatus, RunStatus, SessionStatus)
+from whitney.service.store.tables import OperationRow, PackageRow, RunRow, SessionRow
 
 CURVE_KINDS = (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD, OperationKind.OPTIM_STEP)
 TIMELINE_ROWS = 200  # the newest operations a run page shows

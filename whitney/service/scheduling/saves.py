@@ -10,8 +10,9 @@ from whitney.errors import InvalidInput
 from whitney.protocol.backend import Backend, PackageKind
 from whitney.service.scheduling.jobs import LoadJob, SaveJob
 from whitney.service.scheduling.results import public_package
-from whitney.service.store.database import Store, new_id
+from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind
+from whitney.service.store.tables import new_id
 
 
 # Each save operation and the package it writes (save_weights with merge writes a merged one).

@@ -11,32 +11,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from sqlalchemy import JSON, Float, String, select
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy import select
 
 from whitney.errors import InvalidInput, NotFound
-from whitney.service.store.database import Base, Store, _row_dict, digest, new_id
+from whitney.service.store.database import Store, digest
+from whitney.service.store.tables import CustomLossRow, _row_dict, new_id
 
 CUSTOM = "custom"  # the loss function name that takes {"loss_id": ...}
-
-
-class CustomLossRow(Base):
-    __tablename__ = "custom_losses"
-    # Tinker's ids are "{session_id}:loss:{seq}", so a resent create_custom_loss finds its first row.
-    id: Mapped[str] = mapped_column(String(96), primary_key=True)
-    owner: Mapped[str] = mapped_column(String(128), index=True)
-    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    name: Mapped[str] = mapped_column(String(128))
-    definition: Mapped[dict] = mapped_column(JSON)  # {name, inputs, graph}
-    body_digest: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[float] = mapped_column(Float)
-
-
-def _ensure_table(store: Store) -> None:
-    """The table, on a database whose Store was opened before this module was imported."""
-    if not getattr(store, "_custom_losses_ready", False):
-        CustomLossRow.__table__.create(store.engine, checkfirst=True)
-        store._custom_losses_ready = True
 
 
 def public(row: dict, with_graph: bool = False) -> dict:
@@ -51,7 +32,6 @@ def create(store: Store, who: str, definition: dict, check: Callable[[dict], Non
     rule) and store it. With `loss_id`, a resend of the same definition returns the stored row and a different
     one under that id is InvalidInput."""
     check(definition)
-    _ensure_table(store)
     body = digest(definition)
     with store.tx() as db:
         if loss_id is not None:
@@ -70,7 +50,6 @@ def create(store: Store, who: str, definition: dict, check: Callable[[dict], Non
 
 def get(store: Store, who: str, loss_id: str) -> dict:
     """The caller's stored loss (another key's is NotFound, as if it did not exist)."""
-    _ensure_table(store)
     with store.tx() as db:
         row = db.get(CustomLossRow, loss_id) if isinstance(loss_id, str) else None
         if row is None or row.owner != who:
@@ -79,7 +58,6 @@ def get(store: Store, who: str, loss_id: str) -> dict:
 
 
 def list_for(store: Store, who: str) -> list[dict]:
-    _ensure_table(store)
     with store.tx() as db:
         q = select(CustomLossRow).where(CustomLossRow.owner == who).order_by(CustomLossRow.created_at)
         return [_row_dict(r) for r in db.scalars(q)]

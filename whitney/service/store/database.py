@@ -25,7 +25,8 @@ from whitney.service.http.text import loads as read_json
 from whitney.service.store.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE,
                                              RUN_MOVES, RUN_OPEN, SESSION_MOVES, OperationKind, OperationStatus,
                                              RunStatus, SessionStatus, sources)
-from whitney.service.store.tables import Base, KeyRow, OperationRow, PackageRow, RunRow, SessionRow, _row_dict, new_id  # noqa: F401
+from whitney.service.store.migrations import migrate
+from whitney.service.store.tables import Base, KeyRow, OperationRow, PackageRow, RunRow, SessionRow, _row_dict, new_id
 
 
 class Store:
@@ -44,7 +45,6 @@ class Store:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA foreign_keys=ON")
         Base.metadata.create_all(self.engine)
-        from whitney.service.store.packages import migrate
         migrate(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         self.at_end: dict[str, Callable] = {}  # op id -> fn(status, result) -> result, run as it ends (packages.py)

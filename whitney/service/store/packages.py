@@ -11,9 +11,6 @@ and a load never starts on a package being deleted. Readers are reset at start (
 Visibility: a package is its owner's; a public one is readable (load, sample, download, copy) by every key,
 never writable (delete, TTL, publish, metadata) by another. Past its `expires_at` a package reads 404 at
 once, and the reaper (the scheduler's idle tick, every few seconds) removes its files and its row.
-
-`migrate` adds the columns and indexes this version added to a database an older version created
-(create_all only creates missing tables).
 """
 
 from __future__ import annotations
@@ -24,41 +21,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sqlalchemy import delete, inspect, or_, select, text, update
+from sqlalchemy import delete, or_, select, update
 
 from whitney.errors import Conflict, InvalidInput, NotFound
-from whitney.service.store.database import OperationRow, PackageRow, SessionRow, Store, _row_dict, new_id
+from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationStatus
+from whitney.service.store.tables import PackageRow, _row_dict, new_id
 
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # Tinker's upper bound (its lower one, an hour, is not enforced here)
-
-
-def migrate(engine) -> None:
-    """ALTER TABLE ... ADD COLUMN for each column of the packages, sessions and operations tables the database
-    lacks, and CREATE INDEX for each named index of the operations table it lacks. (A new table, such as
-    run_samples, is made by create_all.)"""
-    found = inspect(engine)
-    table = OperationRow.__table__
-    if found.has_table(table.name):
-        have = {i["name"] for i in found.get_indexes(table.name)}
-        for index in table.indexes:
-            if index.name not in have:
-                index.create(engine)
-    for table in (PackageRow.__table__, SessionRow.__table__, OperationRow.__table__):
-        if not found.has_table(table.name):
-            continue
-        have = {c["name"] for c in found.get_columns(table.name)}
-        for column in table.columns:
-            if column.name in have:
-                continue
-            ddl = f"ALTER TABLE {table.name} ADD COLUMN {column.name} {column.type.compile(engine.dialect)}"
-            if column.server_default is not None:
-                default = column.server_default.arg
-                ddl += f" DEFAULT {default if isinstance(default, str) else default.compile(dialect=engine.dialect)}"
-            with engine.begin() as conn:
-                conn.execute(text(ddl))
-                if column.index:
-                    conn.execute(text(f"CREATE INDEX ix_{table.name}_{column.name} ON {table.name} ({column.name})"))
 
 
 def check_ttl(ttl_seconds: int | None, field: str = "ttl_seconds") -> None:

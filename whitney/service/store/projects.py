@@ -1,6 +1,6 @@
 """Sessions' tags, project and display name; finding sessions by them; and what a session or a key did.
 
-The labels are columns of the sessions table (migrated onto older databases by packages.migrate). Owner,
+The labels are columns of the sessions table (migrated onto older databases by migrations.migrate). Owner,
 project and status filter in SQL; tags, display-name words and user_metadata pairs are matched here, on the
 owner's rows. The record of what happened is the operations table: each operation's kind, status,
 timestamps (created, started, finished) and error code, which is what traces and audit logs show.
@@ -11,7 +11,8 @@ from __future__ import annotations
 from sqlalchemy import select, update
 
 from whitney.errors import InvalidInput
-from whitney.service.store.database import OperationRow, PackageRow, RunRow, SessionRow, Store, _row_dict
+from whitney.service.store.database import Store
+from whitney.service.store.tables import OperationRow, PackageRow, RunRow, SessionRow, _row_dict
 
 MAX_TAGS = 64
 MAX_LABEL = 256  # characters of a tag, project id or display name (the columns' width)

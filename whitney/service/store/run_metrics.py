@@ -7,38 +7,20 @@ goes on counting), 0 before the first. (run_id, name, step) is unique: logging a
 replaces its value (last write wins), so a client that resends a request after a network error stores it
 once. Every run that exists takes metrics, whatever its status: a loop often logs its final evaluation
 after finishing the run (runs are never deleted, so no point outlives its run).
-
-The table is the store's (its SQLAlchemy metadata and engine): `Store.__init__` creates it when this module
-is imported first, and `ensure_table` creates it on a store that was opened before.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Integer, String, UniqueConstraint, delete, func, select
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy import delete, func, select
 
 from whitney.errors import InvalidInput, TooLarge
-from whitney.service.store.database import Base, OperationRow, RunRow, Store
+from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind, OperationStatus
-
-
-class RunMetricRow(Base):
-    __tablename__ = "run_metrics"
-    # One value per metric and step: a resent request replaces the point instead of adding a second one.
-    __table_args__ = (UniqueConstraint("run_id", "name", "step", name="one_value_per_metric_step"),)
-    # Rising with every write (a replaced point gets a new id): the console polls for ids after the last it has.
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
-                                    autoincrement=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
-    name: Mapped[str] = mapped_column(String(128))
-    step: Mapped[int] = mapped_column(BigInteger)
-    value: Mapped[float] = mapped_column(Float(precision=53))  # double precision on PostgreSQL too
-    logged_at: Mapped[float] = mapped_column(Float)
+from whitney.service.store.tables import OperationRow, RunMetricRow, RunRow
 
 
 def _limit(default: int, help: str):
@@ -56,14 +38,6 @@ class MetricLimits:
 
 
 LIMITS = MetricLimits()
-_ready: weakref.WeakSet = weakref.WeakSet()  # engines whose database has the table
-
-
-def ensure_table(store: Store) -> None:
-    """Create the table on the store's database if it lacks it (once per engine)."""
-    if store.engine not in _ready:
-        RunMetricRow.__table__.create(store.engine, checkfirst=True)
-        _ready.add(store.engine)
 
 
 def check_metrics(metrics: dict, limits: MetricLimits = LIMITS) -> None:
@@ -104,7 +78,6 @@ def log_metrics(store: Store, run_id: str, owner: str, metrics: dict[str, float]
     NotFound for a run that is not the owner's; a name logged before at this step is replaced."""
     check_metrics(metrics, limits)
     store.get_run(run_id, owner)  # NotFound for another key's run
-    ensure_table(store)
     if step is None:
         step = current_step(store, run_id)
     now = time.time()
@@ -138,7 +111,6 @@ def metric_series(store: Store, run_id: str, owner: str, names: list[str] | None
     """The owner's run's logged metrics (or only `names`): {name: {"steps": [...], "values": [...]}}, each by
     step, names sorted."""
     store.get_run(run_id, owner)
-    ensure_table(store)
     q = select(RunMetricRow.name, RunMetricRow.step, RunMetricRow.value).where(RunMetricRow.run_id == run_id)
     if names:
         q = q.where(RunMetricRow.name.in_(names))
@@ -155,7 +127,6 @@ def metric_series(store: Store, run_id: str, owner: str, names: list[str] | None
 def points_after(store: Store, run_id: str, after: int = -1, limit: int = 5000) -> list[dict]:
     """The run's points written after id `after`, oldest write first: `{id, name, step, value, t}` (`t`: when it
     was logged; the console's poll; a replaced point comes again, under its new id)."""
-    ensure_table(store)
     q = (select(RunMetricRow.id, RunMetricRow.name, RunMetricRow.step, RunMetricRow.value, RunMetricRow.logged_at)
          .where(RunMetricRow.run_id == run_id, RunMetricRow.id > after).order_by(RunMetricRow.id).limit(limit))
     with store.tx() as db:

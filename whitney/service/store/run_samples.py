@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from sqlalchemy import delete, func, select
 
 from whitney.errors import InvalidInput, TooLarge
-from whitney.service.store.database import RunRow, Store
+from whitney.service.store.database import Store
 from whitney.service.store.run_metrics import current_step
-from whitney.service.store.tables import RunSampleRow
+from whitney.service.store.tables import RunRow, RunSampleRow
 
 TEXTS = ("prompt", "completion")
 

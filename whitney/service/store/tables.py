@@ -1,7 +1,8 @@
 """The tables of the store (SQLAlchemy rows): sessions, runs, operations, model packages, API keys, the samples
-a training loop logs for its runs.
+and metrics a training loop logs for its runs, custom losses. `Store.__init__` creates them all (create_all) and
+migrates an older database (migrations.py).
 
-Rows stay inside the service: store.py's functions turn them into plain dicts (`_row_dict`).
+Rows stay inside the store: database.py's methods turn them into plain dicts (`_row_dict`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class SessionRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     last_heartbeat: Mapped[float] = mapped_column(Float)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
-    # Added after the first release (packages.migrate adds them to an older database); found by GET /v1/sessions.
+    # Added after the first release (migrations.migrate adds them to an older database); found by GET /v1/sessions.
     tags: Mapped[list | None] = mapped_column(JSON, nullable=True)
     project_id: Mapped[str | None] = mapped_column(String(256), nullable=True, index=True)
     display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
@@ -51,7 +52,7 @@ class OperationRow(Base):
     __tablename__ = "operations"
     # A retry of (run, seq_id) must find the first submission, never create a second one (its index also
     # finds a run's later seq_ids). Every submission counts its owner's queued and running operations: by
-    # (owner, status), a count of those few rows, not a scan of the owner's whole history (packages.migrate
+    # (owner, status), a count of those few rows, not a scan of the owner's whole history (migrations.migrate
     # adds it to an older database).
     __table_args__ = (UniqueConstraint("run_id", "seq_id", name="one_operation_per_seq_id"),
                       Index("ix_operations_owner_status", "owner", "status"))
@@ -70,7 +71,7 @@ class OperationRow(Base):
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     # What the request asked for that the console's configuration panel shows (a forward's loss_fn and loss_config,
     # an optim_step's adam_params; NULL for other kinds, and for operations made before this column existed:
-    # packages.migrate adds it to an older database).
+    # migrations.migrate adds it to an older database).
     config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
 
 
@@ -133,6 +134,36 @@ class RunSampleRow(Base):
     sample_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     bytes: Mapped[int] = mapped_column(Integer)  # UTF-8 bytes of prompt, completion and metadata (the key's quota)
     logged_at: Mapped[float] = mapped_column(Float)
+
+
+class RunMetricRow(Base):
+    """A metric a training loop logged for its run at a step (run_metrics.py)."""
+
+    __tablename__ = "run_metrics"
+    # One value per metric and step: a resent request replaces the point instead of adding a second one.
+    __table_args__ = (UniqueConstraint("run_id", "name", "step", name="one_value_per_metric_step"),)
+    # Rising with every write (a replaced point gets a new id): the console polls for ids after the last it has.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    step: Mapped[int] = mapped_column(BigInteger)
+    value: Mapped[float] = mapped_column(Float(precision=53))  # double precision on PostgreSQL too
+    logged_at: Mapped[float] = mapped_column(Float)
+
+
+class CustomLossRow(Base):
+    """A custom loss definition a key created (custom_losses.py)."""
+
+    __tablename__ = "custom_losses"
+    # Tinker's ids are "{session_id}:loss:{seq}", so a resent create_custom_loss finds its first row.
+    id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    name: Mapped[str] = mapped_column(String(128))
+    definition: Mapped[dict] = mapped_column(JSON)  # {name, inputs, graph}
+    body_digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 def _row_dict(row) -> dict:

@@ -16,9 +16,9 @@ from whitney.service.http import signing
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.scheduling.limits import check_metadata
 from whitney.service.store import packages, projects
-from whitney.service.store.database import new_id
 from whitney.service.store.keys import key_digest, presented_key
 from whitney.service.store.lifecycle import RunStatus, SessionStatus
+from whitney.service.store.tables import new_id
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
 
