@@ -316,7 +316,7 @@ def backend_config(args) -> dict:
         model, sep, items = spec.partition("=")
         if not sep or not model:
             raise InvalidInput(f"--worker-resources {spec!r}: write MODEL=cpus:N,gpus:N,RESOURCE:N")
-        from whitney.backends.ray.proxy import Placement
+        from whitney.backends.ray.placement import Placement  # torch-free
 
         resources[model] = Placement.parse_resources(items)
     return dict(backend=args.backend, ray_address=args.ray_address, samplers=args.samplers,
