@@ -15,7 +15,7 @@ import time
 from whitney.protocol.backend import Failure
 from whitney.service.scheduling.streams import SampleStream
 from whitney.service.store.database import Store
-from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationStatus
+from whitney.service.store.lifecycle import OPERATION_TERMINAL, FailureCategory, OperationStatus
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ End = tuple[dict, dict | None, BaseException | Failure | None]
 def end_move(operation: dict, result: dict | None, error: BaseException | Failure | None) -> tuple:
     """The store move (op_id, status, result, error) of an operation that ended with `result` or `error`, logged."""
     failure = None if error is None else error if isinstance(error, Failure) else Failure.of(error)
-    if failure is not None and failure.category == "server":
+    if failure is not None and failure.category == FailureCategory.SERVER:
         log.error("operation %s (%s) failed: %s", operation["id"], operation["kind"], failure.message,
                   exc_info=error if isinstance(error, BaseException) else None)
     elif log.isEnabledFor(logging.INFO):

@@ -7,15 +7,23 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from enum import StrEnum
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 
+class Worker(StrEnum):
+    """The scheduler's worker threads, by what they run (each one's thread name)."""
+
+    TRAINING = "whitney-worker"  # training, and sampling and scoring unless the backend runs them apart
+    SAMPLING = "whitney-sampler"  # sampling and scoring of a backend with `separate_sampling`
+
+
 class Lane:
     """One worker thread's queue of calls to run on it, and the event that wakes it. `lock`: the scheduler's."""
 
-    def __init__(self, name: str, lock: threading.RLock):
+    def __init__(self, name: Worker, lock: threading.RLock):
         self.name = name
         self.wake = threading.Event()
         self._lock = lock

@@ -12,7 +12,7 @@ from typing import Callable
 from whitney.protocol.backend import Housekeeping
 from whitney.service.scheduling.run_queues import RunQueues
 from whitney.service.store.database import Store
-from whitney.service.store.lifecycle import RUN_OPEN, OperationStatus, RunStatus, SessionStatus
+from whitney.service.store.lifecycle import RUN_OPEN, FailureCategory, OperationStatus, RunStatus, SessionStatus
 from whitney.service.store.packages import reap
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Reaper:
             message = (f"run {run_id} was lost with its worker (the process died); it is interrupted: resume from "
                        "its newest saved state with a new run")
             self.queues.end(run_id, OperationStatus.FAILED,
-                            {"code": "worker_lost", "message": message, "category": "server"})
+                            {"code": "worker_lost", "message": message, "category": FailureCategory.SERVER})
             self.store.set_run_status(run_id, RunStatus.INTERRUPTED, error=message)
             log.error(message)
         return bool(lost)

@@ -3,8 +3,17 @@ strings), converted here once."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from whitney.protocol.sampling import SampleResult
 from whitney.protocol.training import ForwardResult
+
+
+class StopReason(StrEnum):
+    """Why a sampled sequence ended (`SampledSequence.stop_reason`; OpenAI's finish_reason takes the same names)."""
+
+    STOP = "stop"  # a stop token or stop sequence
+    LENGTH = "length"  # max_tokens, or the context's end
 
 
 def forward_result_dict(result: ForwardResult) -> dict:

@@ -38,7 +38,7 @@ def execute(backend: Backend, store: Store, data_dir: Path, op: dict, job: LoadJ
     # A sampler version is also on disk, so it outlives the run and a restart (and reaches every sampler worker).
     version = backend.save(run_id, package_kind, path, include_optimizer=include_optimizer)
     name = job.name or (str(version) if package_kind == PackageKind.SAMPLER else None)
-    package = store.register_package(run_id, run["owner"], package_kind.value, name, path, run["base_model"],
+    package = store.register_package(run_id, run["owner"], package_kind, name, path, run["base_model"],
                                      include_optimizer, package_id)
     if package_kind == PackageKind.SAMPLER:
         return {"version": version, "package": public_package(package)}

@@ -27,7 +27,7 @@ from whitney.protocol.sampling import SamplingParams
 from whitney.protocol.training import LoraConfig
 from whitney.service.scheduling.ends import Ends
 from whitney.service.scheduling.jobs import Job
-from whitney.service.scheduling.lanes import Lane
+from whitney.service.scheduling.lanes import Lane, Worker
 from whitney.service.scheduling.reaping import Reaper
 from whitney.service.scheduling.run_queues import RunQueues
 from whitney.service.scheduling.sampling import Sampling
@@ -51,10 +51,10 @@ class Scheduler:
         self.queues = RunQueues(backend, store, self.ends, self._lock)
         self.training = Training(backend, store, self.data_dir, self.queues, self.ends, max_batch_tokens,
                                  recent_seconds)
-        self._training_lane = Lane("whitney-worker", self._lock)
+        self._training_lane = Lane(Worker.TRAINING, self._lock)
         # Sampling and scoring: on the training thread, or on their own when the backend runs them apart.
         shared = not backend.separate_sampling
-        self._sampling_lane = self._training_lane if shared else Lane("whitney-sampler", self._lock)
+        self._sampling_lane = self._training_lane if shared else Lane(Worker.SAMPLING, self._lock)
         self.sampling = Sampling(backend, store, self.ends, self._sampling_lane, self._lock,
                                  budget=(lambda: self.training.seconds) if shared else (lambda: 0.0))
         self.scoring = ScoringTurns(backend, store, self.ends, self._lock, max_batch_tokens)

@@ -21,10 +21,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from whitney.errors import Conflict, NotFound
+from whitney.protocol.backend import PackageKind
 from whitney.service.http.text import loads as read_json
 from whitney.service.store.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE,
-                                             RUN_MOVES, RUN_OPEN, SESSION_MOVES, OperationKind, OperationStatus,
-                                             RunStatus, SessionStatus, sources)
+                                             RUN_MOVES, RUN_OPEN, SESSION_MOVES, FailureCategory, OperationKind,
+                                             OperationStatus, RunStatus, SessionStatus, sources)
 from whitney.service.store.migrations import migrate
 from whitney.service.store.tables import Base, KeyRow, OperationRow, PackageRow, RunRow, SessionRow, _row_dict, new_id
 
@@ -288,7 +289,7 @@ class Store:
             for row in db.scalars(select(OperationRow).where(OperationRow.status.in_(OPERATION_PENDING))):
                 row.status, row.finished_at = OperationStatus.FAILED, time.time()
                 row.error = {"code": "server_restarted", "message": "server restarted before this operation ran",
-                             "category": "server"}
+                             "category": FailureCategory.SERVER}
             for row in db.scalars(select(RunRow).where(RunRow.status.in_(sources(RUN_MOVES, RunStatus.INTERRUPTED)))):
                 row.status = RunStatus.INTERRUPTED
                 row.error = "server restarted; resume from the newest checkpoint with a new run"
@@ -296,8 +297,9 @@ class Store:
 
     # ---- model packages ---------------------------------------------------------------------
 
-    def register_package(self, run_id: str, owner: str, kind: str, name: str, path: str, base_model: str,
+    def register_package(self, run_id: str, owner: str, kind: PackageKind, name: str, path: str, base_model: str,
                          has_optimizer: bool = False, package_id: str | None = None) -> dict:
+        kind = PackageKind(kind).value  # stored as its name (a ValueError for a kind that is none: a bug)
         with self.tx() as db:
             latest = db.scalars(select(PackageRow.version).where(
                 PackageRow.run_id == run_id, PackageRow.kind == kind, PackageRow.name == name
@@ -362,7 +364,8 @@ class Store:
         """The owner's newest `limit` saved states and sampler versions that a checkpoint id reads (not deleted,
         not expired: Store.get_package), newest first: `{id, run_id, created}`."""
         q = (select(PackageRow.id, PackageRow.run_id, PackageRow.created_at)
-             .where(PackageRow.owner == owner, PackageRow.kind.in_(("state", "sampler")), PackageRow.deleted.is_(False),
+             .where(PackageRow.owner == owner, PackageRow.kind.in_((PackageKind.STATE, PackageKind.SAMPLER)),
+                    PackageRow.deleted.is_(False),
                     or_(PackageRow.expires_at.is_(None), PackageRow.expires_at > time.time()))
              .order_by(PackageRow.created_at.desc(), PackageRow.id.desc()).limit(limit))
         with self.tx() as db:

@@ -38,6 +38,13 @@ TRAINING_KINDS = (_K.FORWARD, _K.FORWARD_BACKWARD, _K.OPTIM_STEP, _K.SAVE_STATE,
 SAMPLING_KINDS = (_K.SAMPLE, _K.COMPUTE_LOGPROBS)
 
 
+class FailureCategory(StrEnum):
+    """Whose an operation's error is (a stored error's "category", `Failure.category`)."""
+
+    USER = "user"  # the caller's mistake (a 4xx kind)
+    SERVER = "server"  # the server's own: a bug, a lost worker, a restart
+
+
 class OperationStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"

@@ -117,8 +117,9 @@ class Quotas:
                     if used - freed + tokens <= limit:
                         wait = t + WINDOW - now
                         break
-                raise QuotaExceeded(f"this key may submit {limit} forward/forward_backward/compute_logprobs tokens per minute and "
-                                    f"submitted {used} in the last {WINDOW:.0f} s; this operation has {tokens}",
+                raise QuotaExceeded(f"this key may submit {limit} forward/forward_backward/compute_logprobs tokens "
+                                    f"per minute and submitted {used} in the last {WINDOW:.0f} s; this operation "
+                                    f"has {tokens}",
                                     field="max_tokens_per_minute", limit=limit, usage=used,
                                     retry_after=max(1, math.ceil(wait)))
             window.append((now, tokens))

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Query
 
 from whitney.errors import Conflict, InvalidInput
+from whitney.protocol.backend import PackageKind
 from whitney.protocol.training import AdamParams, ForwardRequest
 from whitney.service.api import images
 from whitney.service.api.native import schemas
@@ -108,7 +109,7 @@ def _load(st: ServiceState, who: str, run_id: str, body: schemas.LoadState, with
         raise Conflict("this run was bound to a checkpoint at creation; load_state as its first operation as "
                        "well is refused (do one or the other)", field="seq_id")
     package = st.store.get_package(body.checkpoint_id, who)
-    if package["kind"] not in ("state", "sampler"):
+    if package["kind"] not in (PackageKind.STATE, PackageKind.SAMPLER):
         raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export, not a saved state",
                            field="checkpoint_id")
     if with_optimizer and not package["has_optimizer"]:
@@ -131,7 +132,8 @@ def load_state_with_optimizer(run_id: str, body: schemas.LoadState, st: State, w
 
 @router.post("/runs/{run_id}/save_state", response_model=schemas.Operation, status_code=202)
 def save_state(run_id: str, body: schemas.SaveState, st: State, who: Owner):
-    return submit(st, who, run_id, OperationKind.SAVE_STATE, body, SaveJob(body.name, include_optimizer=body.include_optimizer))
+    return submit(st, who, run_id, OperationKind.SAVE_STATE, body,
+                  SaveJob(body.name, include_optimizer=body.include_optimizer))
 
 
 @router.post("/runs/{run_id}/save_weights", response_model=schemas.Operation, status_code=202)

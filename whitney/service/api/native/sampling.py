@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from whitney.errors import InvalidInput, NotFound, WhitneyError
-from whitney.protocol.backend import Weights
+from whitney.protocol.backend import PackageKind, Weights
 from whitney.protocol.sampling import SamplingParams, validate
 from whitney.service.api import images
 from whitney.service.api.native import schemas
@@ -43,7 +43,7 @@ def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[Weight
         raise InvalidInput("version goes with run_id", field="version")
     if ref.checkpoint_id is not None:
         package = st.store.get_package(ref.checkpoint_id, who)
-        if package["kind"] not in ("state", "sampler"):
+        if package["kind"] not in (PackageKind.STATE, PackageKind.SAMPLER):
             raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export; sample from a saved "
                                "state or sampler version", field="checkpoint_id")
         return Weights(checkpoint_path=package["path"]), package["base_model"]

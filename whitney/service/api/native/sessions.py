@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 
 from whitney.errors import Conflict, InvalidInput, NotFound
+from whitney.protocol.backend import PackageKind
 from whitney.service.api.native import schemas
 from whitney.service.http import signing
 from whitney.service.http.deps import Owner, ServiceState, State
@@ -141,7 +142,7 @@ async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.Ru
     base_model, lora, resume_path = body.base_model, body.lora.model_dump(), None
     if body.resume_from is not None:
         package = packages.readable(st.store, body.resume_from.checkpoint_id, who, also)
-        if package["kind"] not in ("state", "sampler"):
+        if package["kind"] not in (PackageKind.STATE, PackageKind.SAMPLER):
             raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export, not a saved state",
                                field="resume_from.checkpoint_id")
         if body.resume_from.with_optimizer and not package["has_optimizer"]:

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import InvalidInput, NotFound, WhitneyError
-from whitney.protocol.backend import Failure, raise_failure
+from whitney.protocol.backend import Failure, PackageKind, raise_failure
 from whitney.protocol.sampling import SamplingParams, validate
 from whitney.service.api.native.sampling import resolve
 from whitney.service.api.native.schemas import WeightsRef
@@ -32,8 +32,9 @@ from whitney.service.api.openai.text import TextStream
 from whitney.service.api.tinker.common import parse_path, resolve_path
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.scheduling.limits import check_stops
+from whitney.service.scheduling.results import StopReason
 from whitney.service.scheduling.streams import SampleStream
-from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationKind, OperationStatus
+from whitney.service.store.lifecycle import OPERATION_TERMINAL, FailureCategory, OperationKind, OperationStatus
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 KEEPALIVE_SECONDS = 15.0  # an SSE comment line while no token comes (a long prefill, a full queue)
@@ -80,7 +81,7 @@ def weights_ref(st: ServiceState, who: str, model: str) -> WeightsRef:
     if model.startswith("tinker://"):
         try:
             _, kind, _ = parse_path(model)
-            if kind not in ("sampler", "state"):
+            if kind not in (PackageKind.SAMPLER, PackageKind.STATE):
                 raise InvalidInput(f"model {model!r} names an external_weights export, which does not sample: a "
                                    "Tinker path here is tinker://<run_id>/sampler_weights/<name> (or .../weights/"
                                    "<name>)", field="model")
@@ -143,7 +144,8 @@ def start(st: ServiceState, who: str, body: wire.Sampling, chat: bool) -> Starte
                 raise InvalidInput("top_logprobs needs logprobs: true", field="top_logprobs")
         else:
             top = body.logprobs or 0
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        temperature = 1.0 if body.temperature is None else body.temperature
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
                                 stop=tuple(info.eos_token_ids) + stops, num_samples=n, top_logprobs=top)
         validate(prompt, params, info, backend.config.max_sequences)
@@ -168,7 +170,8 @@ async def ended(st: ServiceState, job: Started) -> dict:
         await st.scheduler.wait(job.op_id, 30.0)
     if op["status"] != OperationStatus.SUCCEEDED:
         error = op["error"] or {"code": "cancelled", "message": "the sample was cancelled"}
-        raise_failure(Failure(error["code"], error["message"], error.get("category", "user"), error.get("field")))
+        raise_failure(Failure(error["code"], error["message"], error.get("category", FailureCategory.USER),
+                              error.get("field")))
     return op["result"]
 
 
@@ -214,7 +217,8 @@ def whole(st: ServiceState, job: Started, result: dict, logprobs: bool, chat: bo
     out = []
     for i, seq in enumerate(result["sequences"]):
         got = choices.add(i, seq["tokens"], seq["logprobs"], seq.get("top_logprobs"), last=True)
-        reason = "stop" if seq["stop_reason"] == "stop" or choices.texts[i].stopped else "length"
+        reason = StopReason.STOP if seq["stop_reason"] == StopReason.STOP or choices.texts[i].stopped \
+            else StopReason.LENGTH
         if chat:
             out.append({"index": i, "message": {"role": "assistant", "content": got["text"]},
                         "logprobs": got["logprobs"], "finish_reason": reason})
@@ -282,7 +286,8 @@ async def streamed(st: ServiceState, job: Started, logprobs: bool, chat: bool, i
                               last=True)
             if got["text"] or rest and logprobs:
                 yield chunk(i, got)
-            reason = "stop" if seq["stop_reason"] == "stop" or choices.texts[i].stopped else "length"
+            reason = StopReason.STOP if seq["stop_reason"] == StopReason.STOP or choices.texts[i].stopped \
+                else StopReason.LENGTH
             yield chunk(i, None, reason)
         if include_usage:
             yield event({**head, "choices": [],

@@ -9,6 +9,7 @@ the organization `tml:organization:whitney`. A key sees only its own sessions, s
 from __future__ import annotations
 
 from datetime import date, datetime, timedelta, timezone
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Request
@@ -62,12 +63,20 @@ class Cursor(TinkerBody):
     last_session_id: str
 
 
+class OwnerFilter(StrEnum):
+    """Whose sessions a search finds (its `owner.type`)."""
+
+    OWN = "own"  # the caller's
+    ACCESSIBLE = "accessible"  # those the caller may read: its own here (keys share nothing)
+    USER = "user"  # the caller's, when its URN is among `owner.owner_urns`; else none
+
+
 class Search(TinkerBody):
     session_id: str | None = None
     project_ids: list[str] | None = None
     user_metadata: dict[str, str] = {}
     display_name: str | None = Field(None, min_length=1)
-    owner: dict[str, Any] = {"type": "own"}
+    owner: dict[str, Any] = {"type": OwnerFilter.OWN.value}
     statuses: list[dict[str, Any]] | None = Field(None, min_length=1)
     limit: int = Field(50, ge=1, le=200)
     cursor: Cursor | None = None
@@ -84,7 +93,7 @@ def search_sessions(body: Search, request: Request, st: State, who: Owner) -> di
     """The caller's sessions matching every filter, newest first, a page at a time."""
     urn, _ = user_urn(st, who, presented_key(request.headers.get("authorization"), request.headers.get("x-api-key")))
     kind = body.owner.get("type")
-    if kind not in ("own", "accessible", "user"):
+    if kind not in tuple(OwnerFilter):
         raise InvalidInput(f"owner type must be own, accessible or user, got {kind!r}", field="owner")
     statuses = None
     if body.statuses is not None:
@@ -97,7 +106,7 @@ def search_sessions(body: Search, request: Request, st: State, who: Owner) -> di
             statuses += STATUS_QUERY[query["type"]]
     found = projects.find_sessions(st.store, who, project_ids=body.project_ids, display_name=body.display_name,
                                    session_id=body.session_id, user_metadata=body.user_metadata, statuses=statuses)
-    if kind == "user" and urn not in body.owner.get("owner_urns", []):
+    if kind == OwnerFilter.USER and urn not in body.owner.get("owner_urns", []):
         found = []
     if body.cursor is not None:
         # compared as the datetimes the cursor was written from (microseconds), not as floats

@@ -23,15 +23,17 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from whitney.errors import InvalidInput, NotFound, WhitneyError
+from whitney.protocol.backend import PackageKind
 from whitney.service.api.native import schemas
 from whitney.service.http.deps import ServiceState
 from whitney.service.store import packages
 from whitney.service.store.lifecycle import OperationStatus
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # the native package-name rule
-SEGMENT_KIND = {"weights": "state", "sampler_weights": "sampler", "external_weights": "lora"}
+SEGMENT_KIND = {"weights": PackageKind.STATE, "sampler_weights": PackageKind.SAMPLER,
+                "external_weights": PackageKind.LORA}
 KIND_SEGMENT = {v: k for k, v in SEGMENT_KIND.items()}
-CHECKPOINT_TYPE = {"state": "training", "sampler": "sampler", "lora": "external"}
+CHECKPOINT_TYPE = {PackageKind.STATE: "training", PackageKind.SAMPLER: "sampler", PackageKind.LORA: "external"}
 
 
 class TinkerBody(BaseModel):

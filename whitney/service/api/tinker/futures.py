@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from whitney.service.api.tinker import proto, training
 from whitney.service.api.tinker.common import Tinker, TinkerBody
 from whitney.service.http.deps import Owner, State
-from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationKind, OperationStatus
+from whitney.service.store.lifecycle import OPERATION_TERMINAL, FailureCategory, OperationKind, OperationStatus
 
 router = APIRouter()
 MAX_WAIT = 25.0  # the SDK's read timeout for one poll is 45 s
@@ -43,7 +43,7 @@ async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
                                                       "queue_state": "active"})
     if op["status"] != OperationStatus.SUCCEEDED:
         error = op["error"] or {}
-        return {"error": error.get("message", op["status"]), "category": error.get("category", "user")}
+        return {"error": error.get("message", op["status"]), "category": error.get("category", FailureCategory.USER)}
     if op["kind"] in (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD):
         return Response(proto.encode_forward_backward_output(op["result"]), media_type=PROTOBUF)
     if op["kind"] == OperationKind.SAMPLE:

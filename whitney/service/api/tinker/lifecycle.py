@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 
 from whitney.errors import Conflict, InvalidInput, NotFound
+from whitney.protocol.backend import PackageKind
 from whitney.service.api.native.checkpoints import signed_urls
 from whitney.service.api.tinker.common import (SEGMENT_KIND, Tinker, TinkerBody, access_owner, iso, model_id,
                                                packages_named, resolve_path, tinker_path)
@@ -73,7 +74,7 @@ def unpublish(run_id: str, checkpoint_id: str, st: State, who: Owner) -> None:
 def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, st: State, who: Owner) -> dict:
     """A signed URL per file of a PEFT export: a plain GET fetches it, no key needed, for an hour."""
     package = resolve_path(st, who, f"tinker://{run_id}/{checkpoint_id}")
-    if package["kind"] != "lora":
+    if package["kind"] != PackageKind.LORA:
         raise InvalidInput("only external_weights checkpoints have download URLs", field="checkpoint_id")
     found = signed_urls(request, package)
     return {"urls": found["urls"], "expires": iso(found["expires_at"])}

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from whitney.errors import InvalidInput
 from whitney.protocol.training import MAX_DIMS, MAX_K
+from whitney.service.scheduling.results import StopReason
 
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
 _DTYPE_NAMES = {DTYPE_FLOAT32: "float32", DTYPE_INT64: "int64", DTYPE_INT32: "int32"}
@@ -410,7 +411,7 @@ def encode_sample_response(result: dict) -> bytes:
     """The native sample result as Tinker's SampleResponse (the engine already applied prompt_logprobs_last_n)."""
     msg = b""
     for seq in result["sequences"]:
-        body = _int(1, 0 if seq["stop_reason"] == "stop" else 1)
+        body = _int(1, 0 if seq["stop_reason"] == StopReason.STOP else 1)
         body += _len(2, _i32(seq["tokens"])) + _len(3, _f32(seq["logprobs"]))
         if seq.get("top_logprobs") is not None:  # topk_sample_logprobs: [len(tokens), k]
             body += _len(4, _topk([[tuple(x) for x in r] for r in seq["top_logprobs"]]))

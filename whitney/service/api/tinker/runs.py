@@ -5,7 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from whitney.errors import NotFound
-from whitney.service.api.tinker.common import SEGMENT_KIND, TinkerBody, checkpoint, iso, packages_named, resolve_path
+from whitney.protocol.backend import PackageKind
+from whitney.service.api.tinker.common import (KIND_SEGMENT, SEGMENT_KIND, TinkerBody, checkpoint, iso, packages_named,
+                                               resolve_path)
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.store.lifecycle import RunStatus
 from whitney.service.store.packages import remove
@@ -17,7 +19,7 @@ def _newest_per_name(packages: list[dict]) -> list[dict]:
     """One checkpoint per (kind, name): its newest version, as a tinker:// path names it."""
     newest: dict[tuple[str, str], dict] = {}
     for p in packages:
-        if p["kind"] in ("state", "sampler", "lora"):
+        if p["kind"] in KIND_SEGMENT:
             key = (p["kind"], p["name"])
             if key not in newest or p["version"] > newest[key]["version"]:
                 newest[key] = p
@@ -27,13 +29,13 @@ def _newest_per_name(packages: list[dict]) -> list[dict]:
 def training_run(st: ServiceState, who: str, run: dict) -> dict:
     packages = _newest_per_name(st.store.list_packages(who, run["id"]))
     last = {kind: next((checkpoint(p) for p in reversed(packages) if p["kind"] == kind), None)
-            for kind in ("state", "sampler")}
+            for kind in (PackageKind.STATE, PackageKind.SAMPLER)}
     times = [run["created_at"]] + [p["created_at"] for p in packages]
     metadata = {k: v for k, v in (run["user_metadata"] or {}).items()}
     return {"training_run_id": run["id"], "base_model": run["base_model"], "model_owner": who or "local",
             "is_lora": True, "corrupted": run["status"] == RunStatus.FAILED, "lora_rank": run["lora"]["rank"],
-            "last_request_time": iso(max(times)), "last_checkpoint": last["state"],
-            "last_sampler_checkpoint": last["sampler"], "user_metadata": metadata}
+            "last_request_time": iso(max(times)), "last_checkpoint": last[PackageKind.STATE],
+            "last_sampler_checkpoint": last[PackageKind.SAMPLER], "user_metadata": metadata}
 
 
 @router.get("/training_runs")

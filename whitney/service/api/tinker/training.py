@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import InvalidInput, WhitneyError
-from whitney.protocol.backend import Failure
+from whitney.protocol.backend import Failure, PackageKind
 from whitney.protocol.training import AdamParams, ForwardRequest
 from whitney.service.api import images
 from whitney.service.api.native import schemas
@@ -224,7 +224,7 @@ def save_weights(body: SaveWeights, st: State, who: Owner) -> dict:
     """save_state: adapter and optimizer, as tinker://{model_id}/weights/{name}."""
     name = body.path if body.path is not None else f"state-{body.seq_id}"
     job = _save_job(name, st, body, include_optimizer=True)
-    if not body.overwrite and packages_named(st, who, body.model_id, "state", name):
+    if not body.overwrite and packages_named(st, who, body.model_id, PackageKind.STATE, name):
         job = refused(InvalidInput(f"checkpoint {name!r} exists; save with overwrite=True to replace it",
                                    field="path"))
     op = submit(st, who, body.model_id, body.seq_id, OperationKind.SAVE_STATE, digest(body.model_dump()), job)
