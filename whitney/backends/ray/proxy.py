@@ -57,7 +57,7 @@ class RayBackend(chat.TextMethods, LossMethods):
     def __init__(self, config: EngineConfig, placements: list[Placement], address: str | None = None):
         self.config = config
         self.supervisor = Supervisor(config, placements, address)  # every worker started, each model loaded
-        self.sampling = Sampling(self.supervisor)
+        self._sampling = Sampling(self.supervisor)
         self._next_page_sweep = 0.0  # page_out_idle asks the trainers at most once a second
         self._tokenizers: dict[str, Any] = {}  # model -> its tokenizer, fetched once from its trainer
         self._tokenizer_lock = threading.Lock()
@@ -119,7 +119,7 @@ class RayBackend(chat.TextMethods, LossMethods):
 
     def delete_run(self, run_id: str) -> None:
         model = self.supervisor.drop_run(run_id)
-        self.sampling.forget(run_id)
+        self._sampling.forget(run_id)
         if model is not None:
             try:
                 self.supervisor.call(self.supervisor.trainers[model], DeleteRun(run_id))
@@ -147,22 +147,22 @@ class RayBackend(chat.TextMethods, LossMethods):
         trainer = self.supervisor.trainer_of_run(run_id)
         version = self.supervisor.call(trainer, Save(run_id, kind, path, include_optimizer))
         if kind == PackageKind.SAMPLER:
-            self.sampling.publish(trainer.model, run_id, version, path)
+            self._sampling.publish(trainer.model, run_id, version, path)
         return version
 
     def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None:
         self._on_run(run_id, LoadState(run_id, path, with_optimizer))
 
     def compute_logprobs(self, sequences: list[list[int]], weights: Weights) -> list[list[float | None]]:
-        worker, weights = self.sampling.worker(weights)
+        worker, weights = self._sampling.worker(weights)
         return self.supervisor.call(worker, ComputeLogprobs(sequences, weights))
 
     def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> None:
-        self.sampling.submit(request_id, prompt, params, weights, stream)
+        self._sampling.submit(request_id, prompt, params, weights, stream)
 
     def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
-        return self.sampling.step()
+        return self._sampling.step()
 
     # ---- Tokenizers: the model's own, here in the control plane ------------------------------
 
@@ -193,7 +193,7 @@ class RayBackend(chat.TextMethods, LossMethods):
 
     @property
     def sampling_in_flight(self) -> int:
-        return self.sampling.in_flight
+        return self._sampling.in_flight
 
     def close(self) -> None:
         """Stop the workers (and the local Ray instance this backend started)."""
