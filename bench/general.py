@@ -183,7 +183,7 @@ def measure(kind: str, dtype: str, quick: bool) -> dict:
         "sampling_lora_ratio": tok_s["whitney_lora"] / tok_s["hf_batch"],
         "trainable_params": {"whitney": whitney_params, "peft": peft_params},
         "adapted_modules": len(engine.get_run("sft").adapter.A),
-        "padded_merge": sampler.pads,
+        "padded_merge": sampler.cache.pads,
         "raw_seconds_per_round": sft_times,
         "raw_tokens_per_s": rates,
     }

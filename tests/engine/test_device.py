@@ -244,7 +244,6 @@ def test_cuda_forward_matches_hf(cuda_bases, tiny_model):
     from transformers import AutoModelForCausalLM
 
     from whitney.engine.families.lora import RowGroups
-    from whitney.engine.families.transformer import forward_hidden, unembed
 
     base = cuda_bases[tiny_model]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -252,7 +251,7 @@ def test_cuda_forward_matches_hf(cuda_bases, tiny_model):
     for r in rows:
         with torch.no_grad():
             tokens = torch.tensor([r], device="cuda")
-            ours = unembed(base, forward_hidden(base, tokens, RowGroups([(0, 1, None)]))[0],
+            ours = base.unembed(base.forward_hidden(tokens, RowGroups([(0, 1, None)]))[0],
                            RowGroups([(0, len(r), None)]))
             ref = hf(input_ids=torch.tensor([r])).logits[0]
         torch.testing.assert_close(ours.cpu(), ref, atol=1e-4, rtol=0)
@@ -262,7 +261,8 @@ def test_cuda_forward_matches_hf(cuda_bases, tiny_model):
 @pytest.mark.cuda
 def test_cuda_defaults_to_bfloat16_without_cpu_tricks(tiny_llama, cpu_bases, tmp_path):
     from whitney.backends.in_process import InProcessBackend
-    from whitney.engine.families.transformer import attention_dtype, prepacked
+    from whitney.engine.families.decoder import prepacked
+    from whitney.engine.families.transformer import attention_dtype
     from whitney.engine.losses.unembedding import _packed_lm_head
     from whitney.protocol.config import EngineConfig
 

@@ -13,7 +13,6 @@ from tests.engine.test_general_path import _data, _hf, _randomise_b, _rid, _sequ
 from tests.models import make_tiny_general_model
 from whitney.backends.in_process import BYTES_PER_PARAMETER, adapter_bytes, model_info
 from whitney.engine import Engine, LoraConfig
-from whitney.engine.families.general import forward_hidden
 from whitney.engine.families.lora import RowGroups
 from whitney.errors import InvalidInput
 
@@ -165,12 +164,12 @@ def test_scattered_row_groups_equal_contiguous_ones(engine, moe_dirs, kind):
     seqs = [s[:5] for s in _sequences(49152)] + [_sequences(49152)[0][5:10]]
     tokens = torch.tensor(seqs)  # [4, 5]: rows 0 and 2 use a, row 1 b, row 3 none
     with torch.no_grad():
-        scattered = forward_hidden(base, tokens, RowGroups([(torch.tensor([0, 2]), ra), (torch.tensor([1]), rb)]))
+        scattered = base.forward_hidden(tokens, RowGroups([(torch.tensor([0, 2]), ra), (torch.tensor([1]), rb)]))
         order = torch.tensor([0, 2, 1, 3])
-        contiguous = forward_hidden(base, tokens[order], RowGroups([(0, 2, ra), (2, 3, rb), (3, 4, None)]))
+        contiguous = base.forward_hidden(tokens[order], RowGroups([(0, 2, ra), (2, 3, rb), (3, 4, None)]))
     torch.testing.assert_close(scattered[order], contiguous, atol=1e-5, rtol=0)
     with torch.no_grad():
-        alone = forward_hidden(base, tokens[1:2], RowGroups([(0, 1, rb)]))
+        alone = base.forward_hidden(tokens[1:2], RowGroups([(0, 1, rb)]))
     torch.testing.assert_close(scattered[1:2], alone, atol=1e-5, rtol=0)
 
 
@@ -187,7 +186,7 @@ def test_a_failing_pass_restores_the_experts_module(engine, moe_dirs):
     adapter.A[key] = torch.zeros(4, 3, 7)  # a wrong width: this layer's delta raises mid-pass
     try:
         with pytest.raises(RuntimeError):
-            forward_hidden(base, torch.tensor([seqs[0]]), RowGroups([(0, 1, adapter)]))
+            base.forward_hidden(torch.tensor([seqs[0]]), RowGroups([(0, 1, adapter)]))
     finally:
         adapter.A[key] = good
     assert all("forward" not in vars(m) for m in base.hf.modules())

@@ -12,6 +12,7 @@ import torch
 from tests.models import COMPOSITE_KINDS, GENERAL_KINDS, built_on_first_use, make_tiny_general_model, unique_id
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.families.lora import adaptable_short_names
+from whitney.engine.families.general import GeneralModel
 from whitney.engine.families.model import load_base_model
 from whitney.errors import InvalidInput
 from whitney.protocol.sampling import SamplingParams
@@ -78,7 +79,7 @@ def _randomise_b(engine: Engine, run_id: str, seed: int = 11) -> None:
 
 def test_loads_on_the_general_path_with_the_models_own_modules(general_model):
     base = load_base_model(general_model)
-    assert base.hf is not None and base.layers == []
+    assert isinstance(base, GeneralModel)
     assert all(not p.requires_grad for p in base.hf.parameters())
     linear = {n for n, m in base.hf.named_modules() if isinstance(m, torch.nn.Linear)  # the text model's
               and (n.startswith(f"{base.hf_decoder}.layers.") or n == "lm_head")}
@@ -321,7 +322,7 @@ def test_models_that_cannot_be_served_are_refused_by_name(tmp_path):
     # The same family causal (gemma3_text without soft-capping) passes the checks and is served.
     causal = tmp_path / "causal"
     causal.mkdir()
-    assert load_base_model(_save_config_model(causal, "gemma3_text", head_dim=16)).hf is not None
+    assert isinstance(load_base_model(_save_config_model(causal, "gemma3_text", head_dim=16)), GeneralModel)
 
 
 # ---- sampling with the model's own cache ---------------------------------------------------------
@@ -404,10 +405,11 @@ def test_fast_path_order_of_paths_is_unchanged(tiny_model):
     """llama/qwen3 keep the hand-written path, and their adapter's paths (which fix the seeded init) stay
     layer by layer in LAYER_PROJECTIONS order, lm_head last."""
     from whitney.engine.families.lora import target_module_paths
-    from whitney.engine.families.model import LAYER_PROJECTIONS, module_path
+    from whitney.engine.families.modules import LAYER_PROJECTIONS, module_path
+    from whitney.engine.families.transformer import TransformerModel
 
     base = load_base_model(tiny_model)
-    assert base.hf is None and len(base.layers) == 2
+    assert isinstance(base, TransformerModel) and len(base.layers) == 2
     assert target_module_paths(base.linear_shapes, LoraConfig()) == [
         module_path(i, p) for i in range(2) for p in LAYER_PROJECTIONS] + ["lm_head"]
     assert target_module_paths(base.linear_shapes, LoraConfig(target_modules=("down_proj", "q_proj"))) == [

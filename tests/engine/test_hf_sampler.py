@@ -9,7 +9,6 @@ import torch
 
 from tests.models import GENERAL_KINDS, make_tiny_general_model
 from whitney.engine import Engine, LoraConfig
-from whitney.engine.families.general import decoder
 from whitney.engine.sampling import hf_sampler
 from whitney.protocol.sampling import SamplingParams
 
@@ -68,7 +67,7 @@ def _assert_same(batched, alone) -> None:
 def _count_decode_passes(engine: Engine, path: str) -> list[int]:
     """Rows of every one-token pass of the model's decoder from now on (a list that fills as it runs)."""
     rows: list[int] = []
-    decoder(engine.load_model(path)).register_forward_hook(
+    engine.load_model(path).decoder_stack.register_forward_hook(
         lambda _m, _args, kwargs, _out: rows.append(kwargs["input_ids"].shape[0])
         if kwargs["input_ids"].shape[1] == 1 else None, with_kwargs=True)
     return rows
@@ -83,7 +82,7 @@ def test_seeded_requests_batched_equal_each_alone_in_one_pass_per_step(model_dir
     jobs = _jobs(path, weights)
     alone = [engine.sample(p, params, **w) for p, params, w in jobs]
     sampler = engine.samplers[engine.load_model(path).name]
-    assert sampler._may_pad(), f"{kind}: left-padded rows do not decode as each alone"
+    assert sampler.cache._may_pad(), f"{kind}: left-padded rows do not decode as each alone"
     passes = _count_decode_passes(engine, path)
 
     pending = [engine.submit_sample(p, params, **w) for p, params, w in jobs[:2]]
@@ -111,7 +110,7 @@ def test_without_padding_only_equal_lengths_share_a_pass(model_dirs):
     jobs.append((jobs[0][0], SamplingParams(max_tokens=5, top_k=30, seed=3, stop=()), weights[1]))  # prompt 0's length
     alone = [engine.sample(p, params, **w) for p, params, w in jobs]
     sampler = engine.samplers[engine.load_model(path).name]
-    sampler.pads = False
+    sampler.cache.pads = False
     passes = _count_decode_passes(engine, path)
     pending = [engine.submit_sample(p, params, **w) for p, params, w in jobs]
     engine.sample_step()

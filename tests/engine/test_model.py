@@ -11,7 +11,6 @@ import torch
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.families.lora import RowGroups, init_adapter
 from whitney.engine.families.model import load_base_model
-from whitney.engine.families.transformer import forward_hidden, unembed
 from whitney.errors import NotFound
 
 ATOL = 1e-5
@@ -27,8 +26,8 @@ def _our_logits(base, tokens: torch.Tensor, adapter=None) -> torch.Tensor:
     """Logits [B, T, V] of right-padded tokens [B, T] through forward_hidden + unembed."""
     B, T = tokens.shape
     with torch.no_grad():
-        hidden = forward_hidden(base, tokens, RowGroups([(0, B, adapter)]))  # [B, T, D]
-        logits = unembed(base, hidden.reshape(B * T, -1), RowGroups([(0, B * T, adapter)]))
+        hidden = base.forward_hidden(tokens, RowGroups([(0, B, adapter)]))  # [B, T, D]
+        logits = base.unembed(hidden.reshape(B * T, -1), RowGroups([(0, B * T, adapter)]))
     return logits.reshape(B, T, -1)
 
 

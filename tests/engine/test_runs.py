@@ -12,7 +12,8 @@ from tests.models import VOCAB
 from whitney.backends.in_process import InProcessBackend
 from whitney.cli import add_engine_flags, engine_config
 from whitney.engine import Datum, Engine, ForwardRequest, ForwardResult, LoraConfig
-from whitney.engine.families.model import load_base_model, module_path
+from whitney.engine.families.model import load_base_model
+from whitney.engine.families.modules import module_path
 from whitney.errors import Conflict, InvalidInput, NotFound
 
 REL = 1e-5

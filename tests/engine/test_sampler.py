@@ -9,8 +9,8 @@ import torch
 from tests.models import VOCAB
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.families.lora import RowGroups, init_adapter
-from whitney.engine.families.model import full_logprobs
-from whitney.engine.families.transformer import KVCache, decode_hidden, forward_hidden, unembed
+from whitney.engine.families.decoder import full_logprobs
+from whitney.engine.families.transformer import KVCache
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.sampling import SamplingParams, validate
 
@@ -45,8 +45,8 @@ def drain(engine: Engine) -> None:
 def ref_logits(base, adapter, seq: list[int]) -> torch.Tensor:
     """Logits [len(seq), V] of the full (uncached) forward, the reference for every decode step."""
     with torch.no_grad():
-        h = forward_hidden(base, torch.tensor([seq]), RowGroups([(0, 1, adapter)]))[0]  # [T, D]
-        return unembed(base, h, RowGroups([(0, len(seq), adapter)]))
+        h = base.forward_hidden(torch.tensor([seq]), RowGroups([(0, 1, adapter)]))[0]  # [T, D]
+        return base.unembed(h, RowGroups([(0, len(seq), adapter)]))
 
 
 def gen_logits(base, adapter, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -106,14 +106,14 @@ def test_kv_cached_decode_equals_full_forward(tiny_model):
     kv: list = []
     groups = RowGroups([(i, i + 1, a) for i, a in enumerate(adapters)])
     with torch.no_grad():
-        forward_hidden(base, tokens, groups, kv_out=kv)
+        base.forward_hidden(tokens, groups, kv_out=kv)
     assert len(kv) == base.config.num_layers
     cache = KVCache.empty(base, capacity=4)  # smaller than the prompts: append and decode must grow it
     cache.append(kv, torch.tensor(lengths))
     refs = []
     for s, a in zip(seqs, adapters):
         with torch.no_grad():
-            refs.append(forward_hidden(base, torch.tensor([s]), RowGroups([(0, 1, a)]))[0])  # [n+12, D]
+            refs.append(base.forward_hidden(torch.tensor([s]), RowGroups([(0, 1, a)]))[0])  # [n+12, D]
     alive = list(range(len(seqs)))
     steps = [0] * len(seqs)
     for step in range(12):
@@ -123,7 +123,7 @@ def test_kv_cached_decode_equals_full_forward(tiny_model):
         nxt = torch.tensor([seqs[r][lengths[r] + steps[r]] for r in alive])
         dgroups = RowGroups([(torch.tensor([j for j, r in enumerate(alive) if adapters[r] is adapter]), adapter)])
         with torch.no_grad():
-            h = decode_hidden(base, nxt, dgroups, cache)  # [B, D]
+            h = base.decode_hidden(nxt, dgroups, cache)  # [B, D]
         assert h.shape == (len(alive), base.config.hidden_size)
         for j, r in enumerate(alive):
             pos = lengths[r] + steps[r]
@@ -694,7 +694,7 @@ def inject_failure(monkeypatch, name: str, min_tokens: int) -> None:
     ("next_tokens", 0),  # its first token's choice, in the prefill
     ("next_tokens", 2),  # a later choice, in the shared decode batch
     ("_prompt_logprobs", 0),  # its own prompt log-probs
-    ("forward_hidden", 0),  # the shared prompt pass: retried per request
+    ("_prompt_pass", 0),  # the shared prompt pass: retried per request
     ("_stop_reason", 2),  # its stop check (the tokenizer)
 ])
 def test_a_failing_request_fails_alone(eng, monkeypatch, name, min_tokens):

@@ -1,5 +1,5 @@
 """Streaming progress and top log-probs of generated tokens, on both samplers: the fast path's `Sampler` and
-the general path's `HFSampler` (which inherits both from the base class).
+the general path's model cache (`hf_sampler.ModelRows`): both come from the one sampler core.
 
 References: the request's own final result (progress reports joined must equal it), the full forward's
 logits (top log-probs), and the same request without streaming or top log-probs (neither may change a
@@ -14,8 +14,8 @@ from tests.engine.test_sampler import ref_logits
 from tests.models import make_tiny_general_model
 from whitney.backends.in_process import InProcessBackend
 from whitney.engine import Engine
-from whitney.engine.families.model import full_logprobs
-from whitney.engine.sampling.hf_sampler import HFSampler
+from whitney.engine.families.decoder import full_logprobs
+from whitney.engine.sampling.hf_sampler import ModelRows
 from whitney.protocol.backend import Weights
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 
@@ -54,7 +54,7 @@ def test_progress_reports_join_up_to_the_result_and_change_nothing(model):
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=4, num_samples=2, stop=(), top_logprobs=3)
     reports, result = run(backend, model, params, stream=True)
     sampler = next(iter(backend.engine.samplers.values()))
-    assert isinstance(sampler, HFSampler) == (model.endswith("mistral"))
+    assert isinstance(sampler.cache, ModelRows) == (model.endswith("mistral"))
     assert len(reports) >= 10, "a report per step, not one at the end"
     for i, seq in enumerate(result.sequences):
         streamed = [t for r in reports for t in r.tokens[i]]

@@ -21,7 +21,6 @@ from tests.models import VOCAB
 from whitney.engine import Datum, Engine, ForwardRequest, ForwardResult, LoraConfig
 from whitney.engine.families.lora import RowGroups
 from whitney.engine.families.model import load_base_model
-from whitney.engine.families.transformer import forward_hidden
 from whitney.engine.training.sharded import ShardedEngine, load_sharded_state, spawn_ranks
 from whitney.errors import Conflict, InvalidInput
 from whitney.protocol.sampling import SamplingParams
@@ -95,7 +94,7 @@ def _gathers(engine: ShardedEngine, model: str) -> dict:
 
     dist.all_gather_single = counted
     try:
-        h = forward_hidden(run.base, torch.tensor([[1, 2, 3]]), RowGroups([(0, 1, run.adapter)]))
+        h = run.base.forward_hidden(torch.tensor([[1, 2, 3]]), RowGroups([(0, 1, run.adapter)]))
         between = all(isinstance(p, DTensor) for p in run.base.layers.parameters())
         out = {"forward": len(calls), "sharded_between": between}
         torch.autograd.grad(h.sum(), run.adapter.parameters())

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from whitney.engine.families.lora import init_adapter
-from whitney.engine.families.model import UNEMBED, load_base_model
+from whitney.engine.families.model import load_base_model
+from whitney.engine.families.modules import UNEMBED
 from whitney.engine.losses import unembedding
 from whitney.protocol.training import LoraConfig
 

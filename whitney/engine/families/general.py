@@ -1,9 +1,9 @@
 """The general path: any decoder-only Hugging Face causal LM, run through its own modules.
 
 Llama, Qwen2 and Qwen3 take the hand-written decoder (transformer.py, the fast path). Every other
-family takes this path: the BaseModel keeps the frozen Hugging Face module (`BaseModel.hf`) and a
-pass runs the model's own decoder, with the per-row LoRA deltas added at each adapted nn.Linear by
-forward hooks that live for that one pass only (`adapted`), and at each adapted stacked-experts module of
+family takes this path: its `GeneralModel` (decoder.py's interface) keeps the frozen Hugging Face module
+(`GeneralModel.hf`) and a pass runs the model's own decoder, with the per-row LoRA deltas added at each adapted
+nn.Linear by forward hooks that live for that one pass only (`adapted`), and at each adapted stacked-experts module of
 a MoE layer by its forward swapped for that pass (experts.py). Both read the pass's `RowGroups` (data,
 an argument), never a "current adapter": nothing of a run stays on the shared module. Two passes
 must not overlap on one base model (they would see each other's hooks): the Engine is driven by one
@@ -14,20 +14,28 @@ A model is admitted only after two checks on a few tokens at load (`_self_check`
 head are refused, since runs.py unembeds with `base.lm_head` itself; Gemma 3 has no soft-cap), and a row
 right-padded equals the row alone (causal, no mask needed; an encoder or bidirectional model is refused).
 
+A pass with image rows (a vision-language checkpoint, vision.py) runs the checkpoint's inner multimodal module
+instead, whose language model is this decoder, with the same hooks. Sampling keeps the model's own cache
+(sampling/hf_sampler.py), a step of which is `step_hidden`.
+
 Shape legend: B rows, T positions, D hidden, V vocabulary.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from whitney.engine.families.decoder import BaseModel, DecodeCache, ModelConfig
 from whitney.engine.families.experts import adapted_experts, expert_projections
 from whitney.engine.families.lora import RowGroups
-from whitney.engine.families.model import UNEMBED, BaseModel, ModelConfig
+from whitney.engine.families.modules import UNEMBED
+from whitney.engine.families.vision import ProcessedImage, load_vision, model_inputs
 from whitney.errors import InvalidInput
 from whitney.protocol.config import shown_name
 
@@ -95,8 +103,8 @@ def _self_check(hf: torch.nn.Module, decoder: torch.nn.Module, vocab: int) -> st
 
 
 def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_dtype: torch.dtype,
-                 device: torch.device | str) -> BaseModel:
-    """A BaseModel over the frozen Hugging Face module `hf` (read in float32 on the CPU): checked,
+                 device: torch.device | str) -> GeneralModel:
+    """A GeneralModel over the frozen Hugging Face module `hf` (read in float32 on the CPU): checked,
     frozen, then moved to `device` in `compute_dtype`."""
     cfg = hf.config
     text = cfg.get_text_config()  # the text model's config (itself, unless a multimodal checkpoint: gemma3)
@@ -124,8 +132,6 @@ def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_
     if why:
         raise _refuse(name, f"model type {cfg.model_type!r}: {why}")
     hf.to(device=device, dtype=compute_dtype)
-    from whitney.engine.families.vision import load_vision  # vision.py builds on this module
-
     vision = load_vision(path, hf, compute_dtype, device)  # None: served as text only
     heads = getattr(text, "num_attention_heads", 0) or 0
     config = ModelConfig(
@@ -146,17 +152,12 @@ def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_
     eos = next((e for e in (getattr(cfg, "eos_token_id", None), getattr(text, "eos_token_id", None),
                             tokenizer.eos_token_id) if e is not None), None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    empty = torch.zeros(0, device=device)
-    return BaseModel(
+    return GeneralModel(
         name=name,
         path=path,
         config=config,
         embed=hf.get_input_embeddings().weight.detach(),
-        layers=[],  # the general path runs `hf`'s own layers
-        final_norm=empty,
         lm_head=hf.get_output_embeddings().weight.detach(),
-        inv_freq=empty,
-        rope_scaling=1.0,
         tokenizer=tokenizer,
         eos_token_ids=eos_ids,
         compute_dtype=compute_dtype,
@@ -182,16 +183,16 @@ def _batch_rows(rows: list[int], _module, args: tuple, kwargs: dict) -> None:
 
 
 @contextmanager
-def adapted(base: BaseModel, groups: RowGroups):
+def adapted(base: GeneralModel, groups: RowGroups):
     """For one pass of the decoder: forward hooks adding the groups' deltas at every decoder linear some
     group's adapter adapts, and the experts modules whose projections it adapts computing with the deltas
     (experts.adapted_experts); all removed on exit (also on an exception). lm_head is never hooked:
-    runs.py unembeds with the weight. Tokens flattened by a MoE block are mapped to their rows by the
-    pass's B, read from the decoder's input before any layer runs."""
+    the unembedding (BaseModel.unembed, losses/unembedding.py) uses the weight. Tokens flattened by a MoE block
+    are mapped to their rows by the pass's B, read from the decoder's input before any layer runs."""
     names = {n for entry in groups.bounds if entry[-1] is not None for n in entry[-1].A}
     experts = sorted(n for n in names if len(base.linear_shapes.get(n, ())) == 3)
     rows: list[int] = []  # [B] once the pass starts
-    handles = [decoder(base).register_forward_pre_hook(partial(_batch_rows, rows), with_kwargs=True)]
+    handles = [base.decoder_stack.register_forward_pre_hook(partial(_batch_rows, rows), with_kwargs=True)]
     try:
         for path, module in base.hf.named_modules():
             if path in names and path != UNEMBED:
@@ -204,28 +205,56 @@ def adapted(base: BaseModel, groups: RowGroups):
             h.remove()
 
 
-def decoder(base: BaseModel) -> torch.nn.Module:
-    return base.hf.get_submodule(base.hf_decoder)
+@dataclass(kw_only=True)
+class GeneralModel(BaseModel):
+    """A base model of any other family: the frozen Hugging Face causal LM, whose own modules run."""
 
+    decode_cache = DecodeCache.MODEL
+    hf: torch.nn.Module
+    hf_decoder: str  # the path of its decoder stack (embeddings, layers, final norm) inside `hf`
 
-def forward_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups) -> torch.Tensor:
-    """Final-norm hidden states [B, T, D] of right-padded tokens [B, T] through the model's own decoder,
-    each row with its group's adapter. No attention mask: causal attention (and a causal recurrence, for
-    linear-attention layers) never lets right padding reach a real position, which `_self_check` verified
-    at load."""
-    with adapted(base, groups):
-        return decoder(base)(input_ids=tokens, use_cache=False).last_hidden_state
+    @property
+    def decoder_stack(self) -> torch.nn.Module:
+        return self.hf.get_submodule(self.hf_decoder)
 
+    def module_paths(self) -> list[str]:
+        return [n for n, _ in self.hf.named_modules()]  # a multimodal checkpoint's vision tower's too
 
-def step_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, cache) -> torch.Tensor:
-    """Hidden states [B, T, D] of tokens [B, T] appended to the model's own cache `cache` (a prefill when
-    it is empty, a decode step when T = 1); the cache is extended in place."""
-    with adapted(base, groups):
-        return decoder(base)(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
+    def shard(self, shard: Callable[[torch.nn.Module], None], device: torch.device) -> BaseModel:
+        raise InvalidInput(f"base model {self.name!r} ({self.config.model_type}) runs on the general path, which "
+                           "is not sharded yet: serve it on one device (no shards)", field="base_model")
 
+    def forward_hidden(self, tokens: torch.Tensor, groups: RowGroups,
+                       images: list[list[ProcessedImage]] | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, D] of right-padded tokens [B, T] through the model's own decoder,
+        each row with its group's adapter; rows holding images go through the multimodal module
+        (`multimodal_hidden`). No attention mask: causal attention (and a causal recurrence, for
+        linear-attention layers) never lets right padding reach a real position, which `_self_check` verified
+        at load."""
+        if images and any(images):
+            return self.multimodal_hidden(tokens, images, groups)
+        with adapted(self, groups):
+            return self.decoder_stack(input_ids=tokens, use_cache=False).last_hidden_state
 
-def new_cache(base: BaseModel):
-    """An empty cache of the model's own kind (key/value, and conv/recurrent states for linear attention)."""
-    from transformers import DynamicCache
+    def multimodal_hidden(self, tokens: torch.Tensor, images: list[list[ProcessedImage]], groups: RowGroups,
+                          cache=None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, D] of right-padded tokens [B, T] whose rows hold `images` (some rows
+        none), each row with its group's adapter, through the inner multimodal module's own forward (vision.py);
+        with `cache` (a model cache, empty: a prefill) the cache is filled in place."""
+        kwargs = model_inputs(self.vision, tokens, images, self.compute_dtype)
+        with adapted(self, groups):
+            out = self.vision.model(input_ids=tokens, cache=cache, use_cache=cache is not None, **kwargs)
+        return out.last_hidden_state
 
-    return DynamicCache(config=base.hf.config)
+    def cached_hidden(self, tokens: torch.Tensor, groups: RowGroups, cache, **positions) -> torch.Tensor:
+        """Hidden states [B, T, D] of tokens [B, T] appended to the model's own cache `cache` (a prefill when it
+        is empty, a decode step when T = 1), extended in place; `positions`: the decoder's position_ids and
+        attention_mask where rows are not all aligned from position 0 (sampling/hf_sampler.py)."""
+        with adapted(self, groups):
+            return self.decoder_stack(input_ids=tokens, cache=cache, use_cache=True, **positions).last_hidden_state
+
+    def new_cache(self):
+        """An empty cache of the model's own kind (key/value, and conv/recurrent states for linear attention)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf.config)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from whitney.engine.families.model import (ATTN_PROJECTIONS, LAYER_PROJECTIONS, MLP_PROJECTIONS, UNEMBED, BaseModel,
-                                           module_path)
+from whitney.engine.families.modules import ATTN_PROJECTIONS, LAYER_PROJECTIONS, MLP_PROJECTIONS, UNEMBED, module_path
 from whitney.errors import InvalidInput, check
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.training import LoraConfig
@@ -143,7 +143,16 @@ def validate_lora_config(config: LoraConfig, linear_shapes: dict[str, tuple[int,
     return target_module_paths(linear_shapes, config)
 
 
-def init_adapter(base: BaseModel, config: LoraConfig, max_rank: int = DEFAULT_MAX_RANK) -> Adapter:
+class Adaptable(Protocol):
+    """What an adapter is made for: a base model's adaptable modules and device (a `decoder.BaseModel`)."""
+
+    linear_shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+def init_adapter(base: Adaptable, config: LoraConfig, max_rank: int = DEFAULT_MAX_RANK) -> Adapter:
     """A fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) from `config.seed` (PEFT's kaiming default), B = 0.
 
     B = 0 makes a new run compute exactly the base model. The same seed gives the same A on every device:

@@ -1,7 +1,7 @@
 """Images in: a datum's image chunks expanded into the model's own placeholder positions, and passes that carry them.
 
 A vision-language checkpoint (Qwen3.5 `qwen3_5`, Qwen3-VL `qwen3_vl`, Gemma 3 `gemma3`) saved with its image
-processor is loaded whole: `BaseModel.hf` stays the causal LM the general path runs (for Qwen3.5 the text-only
+processor is loaded whole: `GeneralModel.hf` stays the causal LM the general path runs (for Qwen3.5 the text-only
 Qwen3_5ForCausalLM, exactly as before), and `BaseModel.vision` holds the checkpoint's inner multimodal module
 (vision tower, projector or merger, and the very same language-model modules), frozen, in the compute dtype.
 LoRA adapts the language model's linears only: the vision tower and the projector are not adaptable (naming
@@ -16,8 +16,9 @@ makes of that image (see docs/MODELS.md, "Images"):
 This is the Tinker SDK's `ModelInput.length` convention (an image counts its `expected_tokens`). A token chunk
 may not hold the placeholder id itself (it would take an image's place).
 
-A pass with image rows runs the inner module's own forward: its image features scattered at the placeholder
-positions (`get_image_features`), Qwen's 3-D mrope positions from its own `get_rope_index` (passed explicitly,
+A pass with image rows (general.GeneralModel.forward_hidden) runs the inner module's own forward with
+`model_inputs`: its image features scattered at the placeholder positions (`get_image_features`), Qwen's 3-D mrope
+positions from its own `get_rope_index` (passed explicitly,
 so the module's cached `rope_deltas` are never read), Qwen3-VL's deepstack features, and Gemma 3's bidirectional
 attention within an image block from `token_type_ids` (the model's own mask functions). Text rows of the same
 batch get the same numbers as alone: positions of text are 0..T-1 and padding stays on the right.
@@ -32,9 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from whitney.engine.families.general import adapted
-from whitney.engine.families.lora import RowGroups
-from whitney.engine.families.model import BaseModel
 from whitney.errors import InvalidInput
 from whitney.protocol.config import shown_name
 from whitney.protocol.training import ImageInput
@@ -49,7 +47,7 @@ class VisionModel:
     """What a base model needs to take images: its inner multimodal module and its image processor."""
 
     family: str  # "qwen" (3-D mrope positions, a rope delta per row) | "gemma3" (bidirectional image blocks)
-    model: torch.nn.Module  # Qwen3_5Model / Qwen3VLModel / Gemma3Model; its language model is base.hf's decoder
+    model: torch.nn.Module  # Qwen3_5Model / Qwen3VLModel / Gemma3Model; its language model is the text decoder
     image_processor: object
     image_token_id: int
     tokens_per_image: int | None = None  # gemma3: fixed; qwen: from each image's grid
@@ -105,9 +103,9 @@ def _field(index: int | None) -> str:
 class ImageExpander:
     """Expands a datum's image chunks for one base model (or refuses them: a model without a vision tower)."""
 
-    def __init__(self, base: BaseModel):
-        self.name = base.name
-        self.vision: VisionModel | None = base.vision
+    def __init__(self, name: str, vision: VisionModel | None):
+        self.name = name
+        self.vision = vision
 
     @property
     def placeholder(self) -> int | None:
@@ -180,17 +178,19 @@ class ImageExpander:
         return flat, images
 
 
-def expander(base: BaseModel) -> ImageExpander:
-    return ImageExpander(base)
+def expander(base) -> ImageExpander:
+    """The expander of a base model (decoder.BaseModel: its name, and its vision side or None)."""
+    return ImageExpander(base.name, base.vision)
 
 
-def _model_inputs(base: BaseModel, tokens: torch.Tensor, images: list[list[ProcessedImage]]) -> dict:
+def model_inputs(vision: VisionModel, tokens: torch.Tensor, images: list[list[ProcessedImage]],
+                 dtype: torch.dtype) -> dict:
     """The inner module's keyword arguments for right-padded tokens [B, T] whose rows hold `images` (per row, in
-    position order): pixel values of all I images in row-major order, and Qwen's image grids [I, 3] and mrope
-    positions [3, B, T], or Gemma 3's token types [B, T] (1 on image positions)."""
-    vision, dev = base.vision, tokens.device
+    position order): pixel values of all I images in row-major order (in `dtype`), and Qwen's image grids [I, 3]
+    and mrope positions [3, B, T], or Gemma 3's token types [B, T] (1 on image positions)."""
+    dev = tokens.device
     flat = [im for row in images for im in row]
-    pixels = torch.cat([im.pixel_values for im in flat]).to(dev, dtype=base.compute_dtype)
+    pixels = torch.cat([im.pixel_values for im in flat]).to(dev, dtype=dtype)
     is_image = (tokens == vision.image_token_id).long()  # [B, T]
     if vision.family == "gemma3":
         return dict(pixel_values=pixels, token_type_ids=is_image)
@@ -199,24 +199,17 @@ def _model_inputs(base: BaseModel, tokens: torch.Tensor, images: list[list[Proce
     return dict(pixel_values=pixels, image_grid_thw=grid, position_ids=positions)
 
 
-def forward_hidden(base: BaseModel, tokens: torch.Tensor, images: list[list[ProcessedImage]], groups: RowGroups,
-                   cache=None) -> torch.Tensor:
-    """Final-norm hidden states [B, T, D] of right-padded tokens [B, T] whose rows hold `images` (some rows
-    none), each row with its group's adapter, through the inner module's own forward; with `cache` (a model
-    cache, empty: a prefill) the cache is filled in place."""
-    kwargs = _model_inputs(base, tokens, images)
-    with adapted(base, groups):
-        out = base.vision.model(input_ids=tokens, cache=cache, use_cache=cache is not None, **kwargs)
-    return out.last_hidden_state
-
-
-def rope_deltas(base: BaseModel, tokens: torch.Tensor, images: list[ProcessedImage]) -> int:
+def rope_deltas(vision: VisionModel | None, tokens: torch.Tensor, images: list[ProcessedImage]) -> int:
     """How far a Qwen row's next mrope position is ahead of its length once `images` are in its tokens [T]
-    (negative: an image's positions advance by its largest side, not its token count); 0 for Gemma 3."""
-    if base.vision is None or base.vision.family != "qwen" or not images:
+    (negative: an image's positions advance by its largest side, not its token count); 0 for Gemma 3 and for a
+    model without images."""
+    if vision is None or vision.family != "qwen" or not images:
         return 0
-    kwargs = _model_inputs(base, tokens[None, :], [images])
-    return int(kwargs["position_ids"].max()) + 1 - int(tokens.shape[0])
+    row = tokens[None, :]  # [1, T]
+    grid = torch.stack([im.grid_thw for im in images]).to(tokens.device)  # [I, 3]
+    positions, _ = vision.model.get_rope_index(row, mm_token_type_ids=(row == vision.image_token_id).long(),
+                                               image_grid_thw=grid)
+    return int(positions.max()) + 1 - int(tokens.shape[0])
 
 
 def image_positions(length: int, images: list[ProcessedImage]) -> torch.Tensor:

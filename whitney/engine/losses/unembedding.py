@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from whitney.engine.families.lora import Adapter
-from whitney.engine.families.model import UNEMBED, BaseModel
+from whitney.engine.families.decoder import BaseModel
+from whitney.engine.families.modules import UNEMBED
 
 
 def _row_block_cpu() -> int:

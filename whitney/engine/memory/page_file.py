@@ -25,8 +25,11 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from whitney.engine.training.optim import OptimizerState
 
 _ALIGN = 64  # bytes: every tensor starts at a multiple of this in its file and in memory
 _HUGE_BLOCK = 2 * 2**20  # blocks of at least this many bytes get memory of their own in 2 MB pages
@@ -54,6 +57,24 @@ class PageEntry:
 class Layout(list):
     """A page file's entries, in order; never changed once made. Equal layouts are one object (`write_file`
     shares them; a list subclass, since a tuple cannot be weakly referred to)."""
+
+
+@dataclass
+class PagedMoments:
+    """AdamW's state in a file of its own: a paged-out run's, or a paged-in run's until its optimizer is first
+    used (`Run.optimizer` reads it then, through `reader`: the pager's, which counts and times the read)."""
+
+    path: Path
+    entries: Layout
+    step: int
+    nbytes: int
+    reader: Callable[[PagedMoments, torch.device], OptimizerState]
+
+    def read(self, device: torch.device) -> OptimizerState:
+        return self.reader(self, device)
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 # Every layout some paged run keeps, by its entries: runs of one adapter config in the same state write the same

@@ -50,20 +50,17 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from whitney.engine.families.lora import Adapter
-from whitney.engine.memory.page_file import Layout, read_file, write_file
-from whitney.engine.sampling.sampler import SampleRequest
+from whitney.engine.memory.page_file import Layout, PagedMoments, read_file, write_file
+from whitney.engine.sampling.rows import SampleRequest
 from whitney.engine.training.optim import OptimizerState
+from whitney.engine.training.run import Run
 from whitney.errors import InvalidInput
 from whitney.protocol.config import check_optional_count
 from whitney.protocol.training import LoraConfig
-
-if TYPE_CHECKING:
-    from whitney.engine.training.run import Run
 
 log = logging.getLogger("whitney.engine.memory.paging")
 
@@ -98,24 +95,6 @@ def check_page_idle_seconds(value: float | None) -> None:
 
 
 @dataclass
-class PagedMoments:
-    """AdamW's state in a file of its own: a paged-out run's, or a paged-in run's until its optimizer is first
-    used (`Run.optimizer` reads it then, through `owner`)."""
-
-    owner: "Pager"
-    path: Path
-    entries: Layout
-    step: int
-    nbytes: int
-
-    def read(self, device: torch.device) -> OptimizerState:
-        return self.owner.read_moments(self, device)
-
-    def discard(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
-@dataclass
 class _Leaving:
     """A run's state on its way to its files: the writer thread drops it once written."""
 
@@ -146,7 +125,7 @@ class PagedRun:
 class Pager:
     """Which runs are paged out, where, and when each run was last used. One per Engine, on its thread."""
 
-    def __init__(self, runs: dict[str, "Run"], idle_seconds: float | None, directory: str | None,
+    def __init__(self, runs: dict[str, Run], idle_seconds: float | None, directory: str | None,
                  max_resident: int | None = None):
         check_page_idle_seconds(idle_seconds)
         check_optional_count("max_resident_runs", max_resident, "no budget")
@@ -172,7 +151,7 @@ class Pager:
     def enabled(self) -> bool:
         return self.idle_seconds is not None or self.max_resident is not None
 
-    def touch(self, run: "Run") -> None:
+    def touch(self, run: Run) -> None:
         """A use of the run: page it back in if it is out (making room first, under a budget), note the time."""
         coming_in = run.run_id in self.paged or run.run_id not in self.last_used  # paged out, or new
         if coming_in and self.max_resident is not None:
@@ -292,7 +271,7 @@ class Pager:
 
     # ---- out and in ------------------------------------------------------------------------
 
-    def page_out(self, run: "Run") -> None:
+    def page_out(self, run: Run) -> None:
         """Take every tensor the run holds out of it and write them to its files on the pager's writer thread
         (the memory goes once written: `settle` waits for that). AdamW's moments go to a file of their own,
         unless they are still in one from the last page-out (not read since: nothing is written for them). A
@@ -309,7 +288,7 @@ class Pager:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="whitney-page-out")
         self.leaving[run.run_id] = self._writer.submit(self._write_run, run.run_id, leaving, paged)
 
-    def _write_run(self, run_id: str, leaving: "_Leaving", paged: PagedRun) -> "_Leaving | None":
+    def _write_run(self, run_id: str, leaving: _Leaving, paged: PagedRun) -> _Leaving | None:
         """On the writer thread: write the state to the run's files and fill in `paged`, then drop the state
         (its memory goes back to the system); the state itself if it could not be written."""
         start = time.perf_counter()
@@ -327,7 +306,7 @@ class Pager:
                 except BaseException:
                     paged.path.unlink(missing_ok=True)
                     raise
-                optimizer = PagedMoments(self, moments_path, entries, optimizer.step, nbytes)
+                optimizer = PagedMoments(moments_path, entries, optimizer.step, nbytes, self.read_moments)
         except Exception as e:  # a full or unwritable disk above all; whatever it is, the run keeps its state
             log.warning("could not page out run %s: %s", run_id, e, exc_info=not isinstance(e, OSError))
             return leaving
@@ -363,7 +342,7 @@ class Pager:
             failed |= self.collect(run_id)
         return failed
 
-    def page_in(self, run: "Run") -> None:
+    def page_in(self, run: Run) -> None:
         """Read the run's file back into the run (equal values, layouts and flags) and delete the file. AdamW's
         moments stay in their own file until the run's optimizer is first used (`Run.optimizer`)."""
         start = time.perf_counter()
@@ -390,7 +369,7 @@ class Pager:
         del self.paged[run.run_id]
         self._timed("in", start, f"paged in run {run.run_id}: {(paged.nbytes - _nbytes(paged.optimizer)) / 2**20:.1f} MB")
 
-    def read_moments(self, moments: "PagedMoments", device: torch.device) -> OptimizerState:
+    def read_moments(self, moments: PagedMoments, device: torch.device) -> OptimizerState:
         """AdamW's state of a paged-in run, read back from its own file (then deleted)."""
         start = time.perf_counter()
         optimizer = OptimizerState(step=moments.step)

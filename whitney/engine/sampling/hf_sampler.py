@@ -1,7 +1,5 @@
-"""Sampling on the general path (engine/general.py): the model's own cache, every request in one decode pass.
-
-`HFSampler` is the `Sampler` (queue, admission limits, seeded choices, stops, log-probs, results) with its
-two passes replaced.
+"""The sampler's rows in a general-path model's own cache (families/general.py): the cache strategy of
+`DecodeCache.MODEL` (`ModelRows`), every running row in one decode pass.
 
 Prefill: requests whose prompts have the same length are prefilled together, each length apart, into a fresh
 cache of the model's own kind (keys and values; conv and recurrent states for linear-attention layers), so no
@@ -24,9 +22,9 @@ Images: a prompt with image chunks is prefilled through the model's multimodal m
 rows keeping their mrope delta (Qwen), which every later decode step adds to the row's position; Gemma 3's decode
 steps are causal as they are (its bidirectional image block is in the cache already).
 
-Failures: a failing prefill of several prompts is redone one prompt at a time; a failing decode pass is redone
-request by request, each request's cache rebuilt from its own tokens, so only the request whose own pass
-fails gets the error (its rows leave in `_record`).
+Failures: a failing decode pass is redone request by request, each request's cache rebuilt from its own tokens,
+so only the request whose own pass fails gets the error (its rows leave in the sampler's `_record`); a failing
+prompt pass is the sampler core's to redo (sampler.py).
 
 Shape legend: B running rows, n rows of one request, R prompts of one length, P prompt length, L cache length
 (positions, padding included), D hidden, V vocabulary.
@@ -39,18 +37,12 @@ from dataclasses import dataclass, field
 import torch
 
 from whitney.engine.families import vision
-from whitney.engine.families.general import adapted, decoder, new_cache
+from whitney.engine.families.general import GeneralModel
 from whitney.engine.families.lora import RowGroups
-from whitney.engine.families.model import BaseModel
-from whitney.engine.families.transformer import unembed
-from whitney.engine.sampling.sampler import Sampler, SampleRequest, _adapter_groups, _Row
+from whitney.engine.sampling.rows import Row, SampleRequest, adapter_groups
 
 # Hidden states of the merged check must equal each row alone within this, times max(1, their scale).
 CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-
-
-class _CannotJoin(Exception):
-    """Two caches hold a layer kind, or a state, that `_Batch.join` does not know how to merge."""
 
 
 def _cache_kinds():
@@ -150,7 +142,7 @@ class _Batch:
             self.span = span
 
 
-def step_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, batch: _Batch) -> torch.Tensor:
+def step_hidden(base: GeneralModel, tokens: torch.Tensor, groups: RowGroups, batch: _Batch) -> torch.Tensor:
     """Hidden states [B, T, D] of tokens [B, T] appended to every row of `batch` (a prefill when its cache is
     empty, a decode step when T = 1), each row with its group's adapter; the batch grows in place.
 
@@ -170,8 +162,7 @@ def step_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, batch:
         if any(batch.deltas):
             deltas = torch.tensor(batch.deltas, dtype=torch.int64, device="cpu").to(dev)[:, None]  # [B, 1]
             kwargs["position_ids"] = torch.stack([positions] + [positions + deltas] * 3)  # [4, B, T]
-    with adapted(base, groups):
-        hidden = decoder(base)(input_ids=tokens, cache=batch.cache, use_cache=True, **kwargs).last_hidden_state
+    hidden = base.cached_hidden(tokens, groups, batch.cache, **kwargs)
     batch.lengths = [n + tokens.shape[1] for n in batch.lengths]
     batch.span += tokens.shape[1]
     return hidden
@@ -180,21 +171,21 @@ def step_hidden(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, batch:
 _step = step_hidden  # the check below runs this one, whatever replaces the module's step_hidden (tests do)
 
 
-def _prefilled(base: BaseModel, tokens: torch.Tensor, groups: RowGroups, step=None,
+def _prefilled(base: GeneralModel, tokens: torch.Tensor, groups: RowGroups, step=None,
                images: list[list] | None = None) -> tuple[_Batch, torch.Tensor]:
     """A new batch holding tokens [R, P] (no padding) and their hidden states [R, P, D], by `step` (default
     the module's step_hidden); rows with `images` (per row, vision.ProcessedImage) through the model's multimodal
-    module (vision.forward_hidden), each row's mrope delta kept for its decode steps."""
-    batch = _Batch(new_cache(base), [0] * tokens.shape[0], 0)
+    module (GeneralModel.multimodal_hidden), each row's mrope delta kept for its decode steps."""
+    batch = _Batch(base.new_cache(), [0] * tokens.shape[0], 0)
     if not images or not any(images):
         return batch, (step or step_hidden)(base, tokens, groups, batch)
-    hidden = vision.forward_hidden(base, tokens, images, groups, cache=batch.cache)
+    hidden = base.multimodal_hidden(tokens, images, groups, cache=batch.cache)
     batch.lengths, batch.span = [tokens.shape[1]] * tokens.shape[0], tokens.shape[1]
-    batch.deltas = [vision.rope_deltas(base, row, im) for row, im in zip(tokens, images)]
+    batch.deltas = [vision.rope_deltas(base.vision, row, im) for row, im in zip(tokens, images)]
     return batch, hidden
 
 
-def padding_is_exact(base: BaseModel) -> bool:
+def padding_is_exact(base: GeneralModel) -> bool:
     """Whether rows merged with left padding decode as each row alone: three short prompts (3, 6 and 2 tokens)
     decode three tokens each alone; merged, the first two decode one step, the third joins for the next, and the
     longest leaves (its positions cut) before the last. Every merged hidden state must equal the row's alone
@@ -227,11 +218,44 @@ def padding_is_exact(base: BaseModel) -> bool:
     return True
 
 
-class _Batches:
-    """The sampler's rows as the rows of its batches, in order (stands in for KVCache)."""
+class ModelRows:
+    """The sampler's rows as the rows of its batches, in order: a general-path model's own cache."""
 
-    def __init__(self):
+    def __init__(self, base: GeneralModel):
+        self.base = base
+        self.device = base.device
         self.batches: list[_Batch] = []
+        self.pads: bool | None = None  # whether rows of different lengths may merge (padding_is_exact), once
+
+    @property
+    def rows(self) -> int:
+        return sum(batch.rows for batch in self.batches)
+
+    def _may_pad(self) -> bool:
+        if self.pads is None:
+            try:
+                self.pads = padding_is_exact(self.base)
+            except Exception:  # the model's forward refuses a mask or position ids: never pad
+                self.pads = False
+        return self.pads
+
+    def prefill_passes(self, requests: list[SampleRequest]) -> list[list[SampleRequest]]:
+        """The prompts of each length together (no prompt is ever padded)."""
+        by_length: dict[int, list[SampleRequest]] = {}
+        for r in requests:
+            by_length.setdefault(len(r.prompt), []).append(r)
+        return list(by_length.values())
+
+    def prefill(self, tokens: torch.Tensor, groups: RowGroups, images: list[list]) -> tuple[torch.Tensor, _Batch]:
+        """Hidden states [R, P, D] of prompts of one length [R, P], and a new batch holding them."""
+        batch, hidden = _prefilled(self.base, tokens, groups, images=images)
+        return hidden, batch
+
+    def add(self, prefilled: _Batch, copies: list[int], lengths: list[int]) -> None:
+        """The new batch's prompt rows copied into the sampler's new rows (copies[i]: row i's prompt), after the
+        running ones."""
+        prefilled.select(copies)  # one cache row per prompt -> num_samples rows per request
+        self.batches.append(prefilled)
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these rows of the sampler (finished sequences leave)."""
@@ -244,89 +268,36 @@ class _Batches:
                 out.append(batch)
         self.batches = out
 
-
-class HFSampler(Sampler):
-    """A `Sampler` over a general-path base model, using the model's own cache, all rows in one decode pass."""
-
-    def __init__(self, base, *args, **kwargs):
-        super().__init__(base, *args, **kwargs)
-        self.cache = _Batches()
-        self.pads: bool | None = None  # whether rows of different lengths may merge (padding_is_exact), once
-
-    def _may_pad(self) -> bool:
-        if self.pads is None:
-            try:
-                self.pads = padding_is_exact(self.base)
-            except Exception:  # the model's forward refuses a mask or position ids: never pad
-                self.pads = False
-        return self.pads
-
-    def _merge(self) -> None:
+    def settle(self) -> None:
         """Join consecutive batches into one where they can be (rows keep their order)."""
         out: list[_Batch] = []
-        for batch in self.cache.batches:
+        for batch in self.batches:
             last = out[-1] if out else None
             if (last is not None and (last.span == batch.span or self._may_pad()) and last.joinable(batch)):
                 last.join(batch)
             else:
                 out.append(batch)
-        self.cache.batches = out
+        self.batches = out
 
-    def _prefill(self, requests: list[SampleRequest]) -> None:
-        """Prefill the prompts of each length together, then merge the new rows into the running batch."""
-        by_length: dict[int, list[SampleRequest]] = {}
-        for r in requests:
-            by_length.setdefault(len(r.prompt), []).append(r)
-        for same in by_length.values():
-            self._prefill_same_length(same)
-        self._merge()
-
-    def _prefill_same_length(self, requests: list[SampleRequest]) -> None:
-        """Run prompts of one length [R, P] as one pass, copy each request's cache row into num_samples rows,
-        choose each row's first token. If the pass fails, each prompt is redone alone, so only the request whose
-        own pass fails gets the error; one failing its unembedding, prompt log-probs or choice fails alone."""
-        tokens = torch.tensor([r.prompt for r in requests], dtype=torch.int64, device="cpu").to(self.device)  # [R, P]
-        try:
-            batch, hidden = _prefilled(self.base, tokens, RowGroups([(i, i + 1, r.adapter)
-                                                                     for i, r in enumerate(requests)]),
-                                       images=[r.images for r in requests])  # [R, P, D]
-        except Exception as e:
-            if len(requests) == 1:
-                requests[0].error = e
-            else:
-                for r in requests:
-                    self._prefill_same_length([r])
-            return
-        admitted = self._first_tokens(requests, hidden)
-        if admitted is None:
-            return
-        rows, copies, chosen, lps = admitted
-        batch.select(copies)  # one cache row per prompt -> num_samples rows per request
-        self.cache.batches.append(batch)
-        self._add_rows(rows, chosen, lps)
-
-    def _decode(self) -> None:
-        """One token for every running row: one pass per batch (one batch unless the model cannot pad), then
-        one choice for all rows."""
+    def decode(self, tokens: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Hidden states [B, D] of every row's next token [B]: one pass per batch (one batch unless the model
+        cannot pad); a batch whose pass fails is redone request by request (`_redo_alone`)."""
         parts, offset = [], 0
-        for batch in list(self.cache.batches):
-            rows, tokens = self.rows[offset:offset + batch.rows], self._pending_tokens[offset:offset + batch.rows]
+        for batch in list(self.batches):
+            mine, next_tokens = rows[offset:offset + batch.rows], tokens[offset:offset + batch.rows]
             offset += batch.rows
             try:
-                hidden = step_hidden(self.base, tokens[:, None], _adapter_groups(rows, self.device), batch)[:, 0]
+                hidden = step_hidden(self.base, next_tokens[:, None], adapter_groups(mine, self.device), batch)[:, 0]
             except Exception:  # [n, D] per request, each request alone
-                hidden = self._redo_alone(batch, rows, tokens)
+                hidden = self._redo_alone(batch, mine, next_tokens)
             parts.append(hidden)
-        logits = unembed(self.base, torch.cat(parts), _adapter_groups(self.rows, self.device))  # [B, V]
-        chosen, lps = self._choose(logits, self.rows)
-        self._pending_tokens = chosen
-        self._record(0, chosen, lps)
-        self._merge()
+        return torch.cat(parts)
 
-    def _redo_alone(self, failed: _Batch, rows: list[_Row], tokens: torch.Tensor) -> torch.Tensor:
+    def _redo_alone(self, failed: _Batch, rows: list[Row], tokens: torch.Tensor) -> torch.Tensor:
         """After a failed decode pass (its cache is now unknown), each request of the batch alone: its cache
         rebuilt from its prompt and the tokens its rows have cached, then its decode step. A request whose own
-        pass fails gets the error and zeros (its rows leave in _record). Returns hidden states [B, D]."""
+        pass fails gets the error and zeros (its rows leave in the sampler's _record). Returns hidden states
+        [B, D]."""
         spans: list[tuple[SampleRequest, list[int]]] = []  # each request's rows, contiguous in the batch
         for b, row in enumerate(rows):
             if spans and spans[-1][0] is row.request:
@@ -347,6 +318,6 @@ class HFSampler(Sampler):
                 parts.append(torch.zeros(len(idx), self.base.config.hidden_size, dtype=self.base.compute_dtype,
                                          device=self.device))
             batches.append(batch)
-        at = self.cache.batches.index(failed)
-        self.cache.batches[at:at + 1] = batches
+        at = self.batches.index(failed)
+        self.batches[at:at + 1] = batches
         return torch.cat(parts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from whitney.engine.families.model import full_logprobs
+from whitney.engine.families.decoder import full_logprobs
 
 
 def score_prompt(prompt: list[int], params, logits: torch.Tensor) -> tuple[list | None, list | None, list | None]:

@@ -1,13 +1,21 @@
-"""Sampling: continuous batching over a KV cache, per-request seeds, mixed adapters in one batch.
+"""Sampling: continuous batching over a cache of the running rows, per-request seeds, mixed adapters in one batch.
 
 `Sampler` (one per base model) holds a queue and a running batch. `step()` admits queued requests
 that fit the memory limits (prefilling each prompt once and copying its cache into `num_samples`
 rows), then runs one decode step for every running row; a finished sequence leaves at once. The
 caller decides when to step, so training and sampling interleave at decode-step granularity.
 
+The cache of the running rows is the one part that differs between families: a strategy picked by the base
+model's `decode_cache` (families/decoder.py), with the methods of `RowCache`:
+  kv_cache.KVRows         a fast family's KVCache: every row in one ragged cache
+  hf_sampler.ModelRows    a general-path model's own cache: rows in batches aligned on the right
+Everything else (admission, prefill, choice, stops, results, failures) is this module's, for both.
+
 Failures: a request whose own work fails (its prefill, its next-token choice, its stop check) gets
 the exception in `error` and leaves the batch alone; the others go on unchanged (their generators are
-drawn exactly as if it had never been there). Only a failing shared pass (the decode forward) raises.
+drawn exactly as if it had never been there). A failing prompt pass of several requests is redone one request
+at a time. A failing decode pass is the strategy's to handle: the model's own cache redoes it request by
+request; the KV cache raises.
 
 Log-probs: each generated token's log-prob is log_softmax(logits) of the model at temperature 1,
 whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
@@ -21,76 +29,27 @@ is a CPU generator on every device (one float64 uniform per row per token, copie
 [B] tensor): a CUDA generator would cost a kernel and a synchronisation per row per step, and the CPU
 one draws the same uniforms whatever the device.
 
-Shape legend: B running rows, P prompt length, V vocabulary, E head dim.
+Shape legend: B running rows, R prompts of one prompt pass, P prompt length, D hidden, V vocabulary.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from whitney.engine.families import vision
+from whitney.engine.families.decoder import BaseModel, DecodeCache, full_logprobs
 from whitney.engine.families.lora import Adapter, RowGroups
-from whitney.engine.families.model import BaseModel, full_logprobs
-from whitney.engine.families.transformer import KVCache, decode_hidden, forward_hidden, unembed
+from whitney.engine.sampling.hf_sampler import ModelRows
+from whitney.engine.sampling.kv_cache import KVRows
 from whitney.engine.sampling.prompt_scores import score_prompt
+from whitney.engine.sampling.rows import Row, SampleRequest, adapter_groups
 from whitney.errors import check
 from whitney.protocol.config import EngineConfig
-from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleResult, SamplingParams, validate
-
-
-@dataclass
-class SampleRequest:
-    """A validated request and its progress. `adapter` None samples the base model."""
-
-    prompt: list[int]
-    params: SamplingParams
-    adapter: Adapter | None
-    stop_ids: set[int] = field(default_factory=set)
-    stop_seqs: list[list[int]] = field(default_factory=list)
-    stop_strs: list[str] = field(default_factory=list)
-    result: SampleResult | None = None
-    pending: int = 0  # rows still running
-    error: Exception | None = None  # this request alone failed; its rows have left the batch
-    stream: bool = False  # keep what is chosen for `take_progress` (set before its first step)
-    images: list = field(default_factory=list)  # the prompt's vision.ProcessedImage, in position order
-    fresh: SampleProgress | None = None  # chosen since the last take_progress
-
-    def take_progress(self) -> SampleProgress | None:
-        """The tokens chosen since the last call (None when there are none), and start afresh."""
-        fresh, self.fresh = self.fresh, None
-        return fresh
-
-    def _note(self, index: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
-        if self.fresh is None:
-            n = self.params.num_samples
-            self.fresh = SampleProgress([[] for _ in range(n)], [[] for _ in range(n)],
-                                        [[] for _ in range(n)] if self.params.top_logprobs else None)
-        self.fresh.tokens[index].append(token)
-        self.fresh.logprobs[index].append(logprob)
-        if self.fresh.top_logprobs is not None:
-            self.fresh.top_logprobs[index].append(top)
-
-    @property
-    def done(self) -> bool:
-        return self.error is not None or (self.result is not None and self.pending == 0)
-
-    @property
-    def reserved_tokens(self) -> int:
-        return self.params.num_samples * (len(self.prompt) + self.params.max_tokens)
-
-
-@dataclass
-class _Row:
-    request: SampleRequest
-    index: int  # which of the request's samples
-    generator: torch.Generator  # on the CPU (see the module docstring)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when the request asks for them
+from whitney.protocol.sampling import SampledSequence, SampleResult, SamplingParams, validate
 
 
 def _draws(p: SamplingParams) -> bool:
@@ -98,14 +57,14 @@ def _draws(p: SamplingParams) -> bool:
     return p.temperature > 0 and p.top_k != 1
 
 
-def uniforms(rows: list[_Row]) -> torch.Tensor:
+def uniforms(rows: list[Row]) -> torch.Tensor:
     """[B] float64 on the CPU: one uniform in [0, 1) from each sampling row's own generator; greedy rows draw
     none (0)."""
     return torch.tensor([torch.rand(1, generator=r.generator, dtype=torch.float64, device="cpu").item()
                          if _draws(r.request.params) else 0.0 for r in rows], dtype=torch.float64, device="cpu")
 
 
-def next_tokens(logits: torch.Tensor, rows: list[_Row], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def next_tokens(logits: torch.Tensor, rows: list[Row], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of each row from logits [B, V] with that row's own settings and uniform u [B].
 
     Greedy rows (temperature 0 or top_k 1) take the argmax. The others are sampled together: scale by
@@ -148,6 +107,36 @@ def next_tokens(logits: torch.Tensor, rows: list[_Row], u: torch.Tensor) -> tupl
     return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
 
 
+class RowCache(Protocol):
+    """The cache of a sampler's running rows (row b of the sampler is row b of the cache): one strategy per
+    `DecodeCache` kind, in `CACHES`."""
+
+    @property
+    def rows(self) -> int: ...
+
+    def prefill_passes(self, requests: list[SampleRequest]) -> list[list[SampleRequest]]:
+        """The requests (in order) whose prompts share one prompt pass."""
+
+    def prefill(self, tokens: torch.Tensor, groups: RowGroups, images: list[list]) -> tuple[torch.Tensor, object]:
+        """Hidden states [R, P, D] of right-padded prompts [R, P] (row r with groups' adapter and images[r]), and
+        their cache (for `add`)."""
+
+    def add(self, prefilled: object, copies: list[int], lengths: list[int]) -> None:
+        """New rows after the running ones: row i caches prompt copies[i] of `prefilled`, lengths[i] tokens."""
+
+    def decode(self, tokens: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Hidden states [B, D] of every row's next token [B], each row cached one token further."""
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (finished sequences leave)."""
+
+    def settle(self) -> None:
+        """Tidy up after an admission or a step (the model's own cache merges its batches)."""
+
+
+CACHES: dict[DecodeCache, type] = {DecodeCache.KV: KVRows, DecodeCache.MODEL: ModelRows}
+
+
 class Sampler:
     """The running batch and the queue of one base model. Drive it with `step()` until idle."""
 
@@ -161,8 +150,8 @@ class Sampler:
         # are admitted over several steps, so one step never holds the caller for long.
         self.max_prefill_tokens = max_prefill_tokens
         self.queue: list[SampleRequest] = []
-        self.rows: list[_Row] = []
-        self.cache = KVCache.empty(base)
+        self.rows: list[Row] = []
+        self.cache: RowCache = CACHES[base.decode_cache](base)
         self.device = base.device  # the cache, the batch and the choices; generators stay on the CPU
         self._pending_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] last sampled, not cached
         self._top: dict[int, list[tuple[int, float]]] = {}  # the last _choose's rows' top alternatives, if asked
@@ -207,7 +196,8 @@ class Sampler:
         admitted, rows, tokens, prefill = [], len(self.rows), self._reserved(), 0
         while self.queue:
             req = self.queue[0]
-            if rows + req.params.num_samples > self.max_sequences or tokens + req.reserved_tokens > self.max_cached_tokens:
+            if (rows + req.params.num_samples > self.max_sequences
+                    or tokens + req.reserved_tokens > self.max_cached_tokens):
                 break
             if admitted and prefill + len(req.prompt) > self.max_prefill_tokens:
                 break
@@ -215,25 +205,21 @@ class Sampler:
             rows, tokens = rows + req.params.num_samples, tokens + req.reserved_tokens
             prefill += len(req.prompt)
         if admitted:
-            self._prefill(admitted)
+            for requests in self.cache.prefill_passes(admitted):
+                self._prefill(requests)
+            self.cache.settle()
 
     def _prefill(self, requests: list[SampleRequest]) -> None:
-        """Run each prompt once; copy its cache into num_samples rows; sample each row's first token.
+        """Run the prompts in one pass; copy each one's cache into num_samples rows; sample each row's first token.
 
         If the shared prompt pass fails, each request is prefilled alone, so only the one whose own pass
         fails gets the error. A request failing in its own unembedding or prompt log-probs gets the error
         and no rows; one failing its first choice gets the error and its rows leave at once (_record). The
         others are admitted as if it had not been there.
         """
-        P = max(len(r.prompt) for r in requests)
-        tokens = torch.zeros(len(requests), P, dtype=torch.int64, device="cpu")
-        for i, r in enumerate(requests):
-            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.int64, device="cpu")
-        tokens = tokens.to(self.device)  # filled on the CPU, one copy to the device
-        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        groups = RowGroups([(i, i + 1, r.adapter) for i, r in enumerate(requests)])
         try:
-            hidden = forward_hidden(self.base, tokens, RowGroups([(i, i + 1, r.adapter) for i, r in
-                                                                  enumerate(requests)]), kv_out=kv)  # [R, P, D]
+            hidden, prefilled = self._prompt_pass(requests, groups)  # [R, P, D]
         except Exception as e:
             if len(requests) == 1:
                 requests[0].error = e
@@ -245,10 +231,18 @@ class Sampler:
         if admitted is None:
             return
         rows, copies, chosen, lps = admitted
-        index = torch.tensor(copies, device=self.device)
-        lengths = torch.tensor([len(requests[i].prompt) for i in copies], device=self.device)
-        self.cache.append([(k[index], v[index]) for k, v in kv], lengths)
+        self.cache.add(prefilled, copies, [len(requests[i].prompt) for i in copies])
         self._add_rows(rows, chosen, lps)
+
+    def _prompt_pass(self, requests: list[SampleRequest], groups: RowGroups) -> tuple[torch.Tensor, object]:
+        """The requests' prompts, right-padded into [R, P], through the cache's prefill: hidden states [R, P, D]
+        and the prompts' cache."""
+        P = max(len(r.prompt) for r in requests)
+        tokens = torch.zeros(len(requests), P, dtype=torch.int64, device="cpu")
+        for i, r in enumerate(requests):
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.int64, device="cpu")
+        tokens = tokens.to(self.device)  # filled on the CPU, one copy to the device
+        return self.cache.prefill(tokens, groups, [r.images for r in requests])
 
     def _first_tokens(self, requests: list[SampleRequest], hidden: torch.Tensor):
         """From the prompts' hidden states [R, P, D] (right-padded): prompt scores when asked, and (rows, the prompt
@@ -260,7 +254,7 @@ class Sampler:
             want_all = r.params.scores_prompt
             try:
                 h = hidden[i, :p] if want_all else hidden[i, p - 1:p]
-                logits = unembed(self.base, h, RowGroups([(0, h.shape[0], r.adapter)]))  # [p or 1, V]
+                logits = self.base.unembed(h, RowGroups([(0, h.shape[0], r.adapter)]))  # [p or 1, V]
                 r.result = SampleResult([None] * n)
                 if want_all:
                     self._prompt_logprobs(r, logits)
@@ -271,7 +265,7 @@ class Sampler:
             seed = r.params.seed if r.params.seed is not None else random.getrandbits(63)
             for s in range(n):
                 gen = torch.Generator(device="cpu").manual_seed((seed + 0x9E3779B97F4A7C15 * s) % 2**63)
-                new_rows.append(_Row(r, s, gen))
+                new_rows.append(Row(r, s, gen))
             copies += [i] * n
             r.pending = n
         if not new_rows:
@@ -279,7 +273,7 @@ class Sampler:
         chosen, lps = self._choose(torch.cat(first_logits), new_rows)
         return new_rows, copies, chosen, lps
 
-    def _add_rows(self, rows: list[_Row], chosen: torch.Tensor, lps: torch.Tensor) -> None:
+    def _add_rows(self, rows: list[Row], chosen: torch.Tensor, lps: torch.Tensor) -> None:
         """Append admitted rows after their cache rows and record their first tokens (a failed choice leaves)."""
         self.rows += rows
         self._pending_tokens = torch.cat([self._pending_tokens, chosen])
@@ -296,14 +290,15 @@ class Sampler:
                     scores[im.start:im.start + im.tokens] = [None] * im.tokens
 
     def _decode(self) -> None:
-        groups = _adapter_groups(self.rows, self.device)
-        hidden = decode_hidden(self.base, self._pending_tokens, groups, self.cache)  # [B, D]
-        logits = unembed(self.base, hidden, groups)  # [B, V]
+        """One token for every running row: the cache's decode pass, then one choice for all rows."""
+        hidden = self.cache.decode(self._pending_tokens, self.rows)  # [B, D]
+        logits = self.base.unembed(hidden, adapter_groups(self.rows, self.device))  # [B, V]
         chosen, lps = self._choose(logits, self.rows)
         self._pending_tokens = chosen
         self._record(0, chosen, lps)
+        self.cache.settle()
 
-    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """next_tokens for all rows at once. If that fails, each request's rows alone with the same
         uniforms: a request whose choice fails gets the error (its rows leave in _record), and every
         other row's token is what it would have been."""
@@ -340,7 +335,7 @@ class Sampler:
             if top is not None:
                 row.top_logprobs.append(top)
             if row.request.stream:
-                row.request._note(row.index, token, lp, top)
+                row.request.note(row.index, token, lp, top)
             try:
                 reason = self._stop_reason(row)
             except Exception as e:  # e.g. the tokenizer on this row's tokens: this request alone fails
@@ -360,7 +355,7 @@ class Sampler:
             self.cache.keep(index)
             self._pending_tokens = self._pending_tokens[index]
 
-    def _stop_reason(self, row: _Row) -> str | None:
+    def _stop_reason(self, row: Row) -> str | None:
         req, tokens = row.request, row.tokens
         if tokens[-1] in req.stop_ids or any(tokens[-len(s):] == s for s in req.stop_seqs):
             return "stop"
@@ -374,7 +369,7 @@ class Sampler:
         return None
 
 
-def _top_logprobs(logits: torch.Tensor, rows: list[_Row]) -> dict[int, list[tuple[int, float]]]:
+def _top_logprobs(logits: torch.Tensor, rows: list[Row]) -> dict[int, list[tuple[int, float]]]:
     """For each row b whose request asks for top_logprobs k: the k most likely (token, log-prob) under
     log_softmax(logits[b]) (temperature 1, as every reported log-prob). logits: [B, V]."""
     want = [b for b, r in enumerate(rows) if r.request.params.top_logprobs > 0]
@@ -385,13 +380,3 @@ def _top_logprobs(logits: torch.Tensor, rows: list[_Row]) -> dict[int, list[tupl
     top = torch.topk(full_logprobs(logits[index]), k, dim=-1)  # [W, k]
     ids, values = top.indices.tolist(), top.values.tolist()
     return {b: list(zip(ids[i], values[i]))[:rows[b].request.params.top_logprobs] for i, b in enumerate(want)}
-
-
-def _adapter_groups(rows: list[_Row], device: torch.device) -> RowGroups:
-    """Decode-batch rows grouped by adapter as index tensors on `device` (rows of one adapter need not be
-    adjacent)."""
-    by_adapter: dict[int, tuple[list[int], Adapter]] = {}
-    for b, row in enumerate(rows):
-        if row.request.adapter is not None:
-            by_adapter.setdefault(id(row.request.adapter), ([], row.request.adapter))[0].append(b)
-    return RowGroups([(torch.tensor(idx, device=device), adapter) for idx, adapter in by_adapter.values()])

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from whitney.engine.families.lora import Adapter, load_adapter_weights
-from whitney.engine.families.model import UNEMBED, BaseModel
+from whitney.engine.families.decoder import BaseModel
+from whitney.engine.families.modules import UNEMBED
 from whitney.engine.training.optim import OptimizerState
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.config import shown_name
@@ -134,10 +135,8 @@ def _target_modules(adapter: Adapter, base: BaseModel) -> list[str]:
     """PEFT target_modules: the short names, or the full module paths where a short name would also match a
     module the run does not adapt (a multimodal checkpoint's vision tower has its own `q_proj`)."""
     short = _short_names(adapter, experts=False)
-    if base.hf is None:
-        return short
     linears = [n for n in adapter.A if not _is_expert(adapter, n)]
-    matched = [n for n, _ in base.hf.named_modules() if n.rsplit(".", 1)[-1] in short]
+    matched = [n for n in base.module_paths() if n.rsplit(".", 1)[-1] in short]
     return short if sorted(matched) == sorted(linears) else linears
 
 

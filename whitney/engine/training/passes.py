@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from whitney.engine.families.model import ModelConfig
+from whitney.engine.families.decoder import ModelConfig
 
 CPU_PASS_MIB = 2048  # the CPU's default budget: about 900 tokens of SmolLM2 in float32
 ACCELERATOR_PASS_FRACTION = 4  # an accelerator's default budget: a quarter of its memory

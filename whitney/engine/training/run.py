@@ -1,5 +1,5 @@
 """One run's state: its adapter, accumulated gradients, AdamW state and sampler versions (the Engine holds
-them, engine/runs.py; the pager moves them to disk and back, engine/paging.py)."""
+them, training/runs.py; the pager moves them to disk and back, memory/paging.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from whitney.engine.families.decoder import BaseModel
 from whitney.engine.families.lora import Adapter
-from whitney.engine.families.model import BaseModel
-from whitney.engine.memory.paging import PagedMoments
+from whitney.engine.memory.page_file import PagedMoments
 from whitney.engine.training.optim import OptimizerState
 
 

@@ -16,22 +16,22 @@ from dataclasses import dataclass
 import torch
 
 from whitney.engine.families import vision
+from whitney.engine.families.decoder import BaseModel, full_logprobs
 from whitney.engine.families.lora import Adapter, RowGroups, copy_adapter, init_adapter
-from whitney.engine.families.model import (COMPUTE_DTYPES, BaseModel, full_logprobs, load_base_model,
-                                           resolve_compute_dtype, resolve_device)
-from whitney.engine.families.transformer import forward_hidden, unembed
+from whitney.engine.families.model import COMPUTE_DTYPES, load_base_model, resolve_compute_dtype, resolve_device
 from whitney.engine.losses.builtin import LOSSES
 from whitney.engine.losses.datum import PreparedDatum, prepare_datum
 from whitney.engine.losses.table import SCALAR, LossOutput, LossSpec
 from whitney.engine.losses.unembedding import target_logprobs
 from whitney.engine.memory.paging import Pager, release_memory
-from whitney.engine.sampling.hf_sampler import HFSampler
-from whitney.engine.sampling.sampler import Sampler, SampleRequest
+from whitney.engine.sampling.rows import SampleRequest
+from whitney.engine.sampling.sampler import Sampler
 from whitney.engine.training import checkpoint as ckpt
 from whitney.engine.training.optim import OptimizerState, optim_step, optim_steps
 from whitney.engine.training.passes import activation_bytes_per_token, default_pass_mib, plan_passes
 from whitney.engine.training.requests import check_request
 from whitney.engine.training.run import Run
+from whitney.engine.training.sharded_checkpoint import load_sharded_run
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
 from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, check_optional_count
 from whitney.protocol.sampling import SampleResult, SamplingParams
@@ -235,8 +235,7 @@ class Engine:
         groups = RowGroups(bounds)
         with torch.set_grad_enabled(backward):
             images = [d.images for it in items for d in it.datums]  # per row, its processed images
-            hidden = (vision.forward_hidden(base, tokens, images, groups) if any(images)
-                      else forward_hidden(base, tokens, groups))  # [B, T, D]
+            hidden = base.forward_hidden(tokens, groups, images)  # [B, T, D]
             valid = (torch.arange(T, device=base.device)[None, :]
                      < torch.tensor(lengths, device=base.device)[:, None])  # [B, T]
             flat = hidden[valid]  # [sum N, D], row-major: each request's tokens are contiguous
@@ -269,7 +268,7 @@ class Engine:
             starts = (torch.cumsum(lengths, 0) - lengths).tolist()
             pos = torch.cat([s_pos + start for (s_pos, _), start in zip(it.rows, starts)]).to(dev)  # [P]
             inputs["kl_index"] = pos
-            inputs["student_kl"] = full_logprobs(unembed(base, h[pos], RowGroups([(0, len(pos), it.adapter)])))
+            inputs["student_kl"] = full_logprobs(base.unembed(h[pos], RowGroups([(0, len(pos), it.adapter)])))
             inputs["teacher_kl"] = torch.cat(teacher_kl)  # [P, V]
         # A loss linear in the log-probs knows its gradient now: the unembedding takes it in the same pass.
         known = it.spec.gradient(inputs, it.config) if it.spec.gradient and torch.is_grad_enabled() else None
@@ -291,10 +290,10 @@ class Engine:
             tokens[r, : stream.shape[0]] = stream
             bounds.append((r, r + 1, items[i].adapter))
         with torch.no_grad():
-            hidden = forward_hidden(base, tokens.to(base.device), RowGroups(bounds))
+            hidden = base.forward_hidden(tokens.to(base.device), RowGroups(bounds))
             for r, (i, _, pos) in enumerate(rows):
                 h = hidden[r, pos.to(base.device)]  # [K, D]
-                lp = full_logprobs(unembed(base, h, RowGroups([(0, len(pos), items[i].adapter)])))
+                lp = full_logprobs(base.unembed(h, RowGroups([(0, len(pos), items[i].adapter)])))
                 out[i] = (out[i] or []) + [lp]
         return out
 
@@ -410,8 +409,8 @@ class Engine:
         adapter, base = self.resolve_weights(run_id=run_id, version=version, checkpoint_path=checkpoint_path,
                                              base_model=base_model)
         if base.name not in self.samplers:
-            kind = Sampler if base.hf is None else HFSampler  # the general path samples with the model's cache
-            self.samplers[base.name] = kind(base, self.max_sequences, self.max_cached_tokens, self.max_prefill_tokens)
+            self.samplers[base.name] = Sampler(base, self.max_sequences, self.max_cached_tokens,
+                                               self.max_prefill_tokens)
         request = self.samplers[base.name].submit(prompt, params, adapter)
         if run_id is not None:
             self.pager.hold(run_id, request)  # the run stays in memory until the request ends
@@ -462,11 +461,9 @@ class Engine:
     def load_state(self, run_id: str, path: str, with_optimizer: bool = False) -> None:
         """Restore weights (fresh optimizer) or weights and optimizer. Gradients are cleared. A checkpoint
         written by several ranks (engine/sharded.py) loads too, onto this engine's ranks or this process."""
-        if ckpt.is_sharded(path):
-            from whitney.engine.training.sharded import load_sharded_state
-
-            return load_sharded_state(self, run_id, path, with_optimizer)
         run = self.get_run(run_id)
+        if ckpt.is_sharded(path):
+            return load_sharded_run(run, path, with_optimizer)
         optimizer = ckpt.load_into(path, run.adapter, OptimizerState() if with_optimizer else None, run.base.name)
         run.optimizer = optimizer if with_optimizer else OptimizerState()
         run.grads.clear()
