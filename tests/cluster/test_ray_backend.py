@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from whitney.backends.ray.proxy import Placement, RayBackend
 from whitney.backends.in_process import InProcessBackend
 from whitney.engine import AdamParams, Datum, ForwardRequest, LoraConfig, Weights
-from whitney.errors import InvalidInput, NotFound
+from whitney.errors import InvalidInput, NotFound, Unavailable
 from whitney.protocol.backend import Failure, PackageKind, ServedBackend
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SamplingParams
@@ -184,6 +184,40 @@ def test_a_trainer_that_dies_while_idle_is_noticed_by_the_heartbeat(ray_cluster,
         assert lost == ["idle"]
         with pytest.raises(NotFound):  # gone: the scheduler has interrupted it by now
             backend.validate(ForwardRequest("idle", data(0)), True)
+    finally:
+        backend.close()
+
+
+def test_a_sample_on_a_trainer_that_died_fails_with_it(ray_cluster, tiny_llama):
+    """With no replicas the trainer samples. It dies while a sample is in flight, a training call notices first
+    and the worker is back before the sampling thread steps again (it was scoring elsewhere, say): the sample
+    ends with worker_lost; it does not wait forever on the restarted process, which never heard of it."""
+    import os
+    import signal
+    import time
+
+    backend = RayBackend(CONFIG, [Placement(tiny_llama, "tiny", resources={"node_a": 1})])
+    try:
+        backend.create_run("r", "tiny", LORA)
+        backend.submit_sample("q", data(0)[0].token_ids, SamplingParams(max_tokens=64, temperature=0.0),
+                              Weights(base_model="tiny"))
+        os.kill(backend.supervisor.pids("tiny")[0], signal.SIGKILL)
+        (failure,) = backend.run_batch([ForwardRequest("r", data(0))], True)
+        assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
+        deadline = time.monotonic() + 120
+        while True:  # Unavailable while it restarts
+            try:
+                backend.create_run("r2", "tiny", LORA)
+                break
+            except Unavailable:
+                assert time.monotonic() < deadline, "the worker never came back"
+                time.sleep(0.5)
+        deadline, ended = time.monotonic() + 30, []
+        while not ended:
+            assert time.monotonic() < deadline, "the sample waits on a process that died"
+            ended = [(r, o) for r, o in backend.sample_step() if not hasattr(o, "extend")]
+        assert [(r, o.code) for r, o in ended] == [("q", "worker_lost")], ended
+        assert backend.sampling_in_flight == 0
     finally:
         backend.close()
 

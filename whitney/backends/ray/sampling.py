@@ -73,34 +73,48 @@ class Sampling:
 
     def submit(self, request_id: str, prompt: list, params: SamplingParams, weights: Weights, stream: bool) -> None:
         worker, weights = self.worker(weights)
+        generation = worker.generation
         self.supervisor.call(worker, SubmitSample(request_id, prompt, params, weights, stream))
         with self._lock:
-            worker.inflight.add(request_id)
+            worker.inflight[request_id] = generation
 
     def step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
         """Keep one decode call outstanding on every worker with requests in flight; wait briefly for one
         to answer; the streaming requests' progress and the requests that ended (those of a worker that
         died: WorkerLost)."""
-        ray = self.supervisor.ray
+        ended: list[tuple[str, SampleResult | Failure | SampleProgress]] = []
         with self._lock:
+            for w in self.supervisor.workers():
+                stale = [r for r, g in w.inflight.items() if g != w.generation]
+                if stale:  # sent to a process whose death a call on another thread noticed: lost with it
+                    lost = Failure.of(WorkerLost(f"{w} died; Ray restarts it and reloads the base model"))
+                    ended += [(r, lost) for r in stale]
+                    for r in stale:
+                        del w.inflight[r]
             busy = [w for w in self.supervisor.workers() if w.inflight]
             for w in busy:
                 if w.stepping is None:
                     w.stepping = w.submit(SampleSteps(SAMPLER_STEP_SECONDS if w.role == Role.SAMPLER else 0.0))
-            pending = {w.stepping[0]: w for w in busy}
+            pending = {w.stepping[0]: (w, w.stepping, w.generation) for w in busy}
         if not pending:
-            return []
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=SAMPLER_STEP_SECONDS)
-        ended: list[tuple[str, SampleResult | Failure | SampleProgress]] = []
+            return ended
+        ready, _ = self.supervisor.ray.wait(list(pending), num_returns=1, timeout=SAMPLER_STEP_SECONDS)
         for ref in ready:
-            worker = pending[ref]
-            refs, worker.stepping = worker.stepping, None
-            try:
-                ended += self.supervisor.result(worker, refs)
-            except WorkerLost as e:
-                ended += [(request_id, Failure.of(e)) for request_id in worker.inflight]
+            worker, refs, generation = pending[ref]
             with self._lock:
-                worker.inflight -= {r for r, outcome in ended if not isinstance(outcome, SampleProgress)}
+                if worker.stepping is refs:
+                    worker.stepping = None
+                if generation != worker.generation:
+                    continue  # the process that died answered: its requests are failed as stale
+            try:
+                answers = self.supervisor.result(worker, refs)
+            except WorkerLost as e:
+                answers = [(r, Failure.of(e)) for r, g in list(worker.inflight.items()) if g == generation]
+            with self._lock:
+                for request_id, outcome in answers:
+                    if not isinstance(outcome, SampleProgress):
+                        worker.inflight.pop(request_id, None)
+            ended += answers
         return ended
 
     @property

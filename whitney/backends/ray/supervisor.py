@@ -121,25 +121,30 @@ class Supervisor:
         changed (it died while idle and Ray restarted it) lost its runs too."""
         now = time.monotonic()
         for worker in list(self.trainers.values()):
-            if worker.restarting is not None:
-                continue
-            if worker.ping is None:
-                if now - worker.pinged_at >= HEARTBEAT_SECONDS:
-                    worker.ping, worker.pinged_at = [r.describe.remote() for r in worker.ranks], now
-                continue
-            ready, _ = self.ray.wait(worker.ping, num_returns=len(worker.ping), timeout=0)
-            if len(ready) < len(worker.ping):
-                continue
-            try:
-                pids = [d[1] for d in self.ray.get(worker.ping)]
-                worker.ping = None
-                if pids != worker.pids:
-                    self.lose(worker, RuntimeError(f"restarted as pids {pids}"))
-            except self.ray.exceptions.RayActorError as e:
-                self.lose(worker, e)
+            with self.lock:  # a call on another thread may lose the worker (and drop its ping) meanwhile
+                self._heartbeat(worker, now)
         with self.lock:
             lost, self._lost = self._lost, []
         return lost
+
+    def _heartbeat(self, worker: Worker, now: float) -> None:
+        """Ping an idle trainer every HEARTBEAT_SECONDS (never waiting): a new pid, or no answer, is a death."""
+        if worker.restarting is not None:
+            return
+        if worker.ping is None:
+            if now - worker.pinged_at >= HEARTBEAT_SECONDS:
+                worker.ping, worker.pinged_at = [r.describe.remote() for r in worker.ranks], now
+            return
+        ready, _ = self.ray.wait(worker.ping, num_returns=len(worker.ping), timeout=0)
+        if len(ready) < len(worker.ping):
+            return
+        try:
+            pids = [d[1] for d in self.ray.get(worker.ping)]
+            worker.ping = None
+            if pids != worker.pids:
+                self.lose(worker, RuntimeError(f"restarted as pids {pids}"))
+        except self.ray.exceptions.RayActorError as e:
+            self.lose(worker, e)
 
     # ---- calls --------------------------------------------------------------------------------
 
@@ -175,6 +180,7 @@ class Supervisor:
     def _begin(self, worker: Worker) -> None:
         """Begin (re)starting: describe each actor; the ranks of a sharded trainer form their group first. The
         refs of calls still out (heartbeats, decode steps) answer for the process that died: dropped."""
+        worker.generation += 1
         worker.stepping = worker.ping = None
         worker.joining = len(worker.ranks) > 1
         worker.restarting = [r.describe.remote() for r in worker.ranks]

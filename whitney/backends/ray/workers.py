@@ -25,10 +25,11 @@ class Worker:
     pids: list[int] = field(default_factory=list)
     node: str = ""  # rank 0's Ray node
     restarting: list | None = None  # refs of describe()/join() while (re)starting; None when usable
+    generation: int = 0  # (re)starts begun: what was sent before the latest one went to a process that died
     joining: bool = False  # the ranks restarted and must form their process group again
     ping: list | None = None  # outstanding heartbeats
     pinged_at: float = 0.0
-    inflight: set[str] = field(default_factory=set)  # sample request ids
+    inflight: dict[str, int] = field(default_factory=dict)  # sample request id -> the generation it went to
     stepping: list | None = None  # an outstanding SampleSteps call (on every rank)
 
     @property
