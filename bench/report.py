@@ -390,5 +390,16 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(lines + _kept_notes(path)))
     return path
+
+
+NOTES = "## Notes moved from code comments"
+
+
+def _kept_notes(path: Path) -> list[str]:
+    """The hand-written notes section at the end of the rendered file (measurements moved out of code comments),
+    carried over as it is: the results above are rendered, the notes are not."""
+    text = path.read_text() if path.exists() else ""
+    start = text.find(NOTES)
+    return [] if start < 0 else [*text[start:].rstrip("\n").split("\n"), ""]

@@ -87,7 +87,7 @@ def objective_reference(rows, ce_coef: float, kl_coef: float):
 @pytest.mark.parametrize("ce_coef,kl_coef", [(1.0, 1.0), (0.3, 2.5), (0.0, 1.0), (1.0, 0.0)])
 def test_objective_value_and_gradient(ce_coef, kl_coef):
     rows = make_rows()
-    config = opsd.parse_config({"ce_coef": ce_coef, "kl_coef": kl_coef})
+    config = opsd.SPEC.config({"ce_coef": ce_coef, "kl_coef": kl_coef})
     out = opsd.objective([r[0] for r in rows], [torch.log_softmax(r[1], -1) for r in rows], [r[2] for r in rows],
                          [r[3] for r in rows], [r[4] for r in rows], config)
     total, per_token, g_lp, g_z, metrics = objective_reference(rows, ce_coef, kl_coef)
@@ -117,7 +117,7 @@ def test_table_entry_on_the_engine_contract_equals_the_row_objective():
     gives the same loss, per-token loss, metrics and gradients as `objective` on the rows, and against the
     float64 reference. Row 2 has no KL pair, row 1 no CE token."""
     rows = make_rows(seed=3)
-    config = opsd.parse_config({"ce_coef": 0.7, "kl_coef": 1.3})
+    config = opsd.SPEC.config({"ce_coef": 0.7, "kl_coef": 1.3})
     assert loss_spec("opsd").fn is opsd.loss and loss_spec("opsd").teacher == opsd.TEACHER
     lengths = [r[0].numel() for r in rows]
     starts = [sum(lengths[:i]) for i in range(len(rows))]
@@ -148,7 +148,7 @@ def test_table_entry_on_the_engine_contract_equals_the_row_objective():
 def test_objective_is_a_sum_of_row_means_not_a_token_mean():
     """Duplicating a row doubles the loss; a row with twice the CE tokens of equal l has the same CE term."""
     rows = make_rows(seed=1)
-    config = opsd.parse_config({})
+    config = opsd.SPEC.config({})
 
     def loss(rs):
         return float(opsd.objective([r[0] for r in rs], [torch.log_softmax(r[1], -1) for r in rs],
@@ -167,7 +167,7 @@ def test_objective_teacher_is_a_constant_of_the_student_gradient():
     constant; and the engine passes a teacher that carries no graph (see the engine-level test)."""
     rows = make_rows(seed=2)
     lp, z, teacher, mask, pos = rows[1]
-    out = opsd.objective([lp], [torch.log_softmax(z, -1)], [teacher], [mask], [pos], opsd.parse_config({"ce_coef": 0}))
+    out = opsd.objective([lp], [torch.log_softmax(z, -1)], [teacher], [mask], [pos], opsd.SPEC.config({"ce_coef": 0}))
     (gz,) = torch.autograd.grad(out.loss, [z])
     expected = (torch.softmax(z.detach().double(), -1) - teacher.double().exp()) / len(pos)
     torch.testing.assert_close(gz.double(), expected, rtol=1e-5, atol=1e-7)
@@ -473,7 +473,7 @@ def test_bad_config(engine, vrun, config, field):
 
 def test_config_defaults():
     assert loss_spec("opsd").config({}) == {"ce_coef": 1.0, "kl_coef": 1.0}
-    assert opsd.parse_config({"ce_coef": 0, "kl_coef": 2}) == {"ce_coef": 0.0, "kl_coef": 2.0}
+    assert opsd.SPEC.config({"ce_coef": 0, "kl_coef": 2}) == {"ce_coef": 0.0, "kl_coef": 2.0}
 
 
 @pytest.mark.parametrize("missing", ["teacher_token_ids", "kl_ids", "kl_mask", "teacher_kl_mask",

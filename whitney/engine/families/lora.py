@@ -329,13 +329,12 @@ def _delta(adapter: Adapter, name: str, x: torch.Tensor, expert: int | None = No
     With `expert`, A and B are that expert's of an expert projection (A[name][expert], B[name][expert]).
 
     On the CPU, up to FLOAT32_DELTA_ROWS rows the matmuls run in float32 whatever the compute dtype: that
-    few rows make them overhead-bound, and CPU bfloat16 kernels are 2-9x slower there (measured 13 vs
-    32-119 us at 16 rows); above it, bfloat16 is 3x faster (130 vs 480 us at 1024 rows). A CPU-only
-    trick: on CUDA they run in the compute dtype.
+    few rows make them overhead-bound, where CPU bfloat16 kernels are slower than float32's; above it,
+    bfloat16 is the faster. A CPU-only trick: on CUDA they run in the compute dtype.
 
     B^T is made contiguous ([r, out], a copy of out * r numbers): the gradient of B is then one wide
     [r, R] @ [R, out] product; with B^T as a transposed view autograd computes it as [out, R] @ [R, r], a
-    thin-output shape that BLAS runs 3-25x slower (the unembedding's B, [V, r], above all).
+    thin-output shape that BLAS runs several times slower (the unembedding's B, [V, r], above all).
     """
     rows = x.numel() // x.shape[-1]
     dt = torch.float32 if rows <= FLOAT32_DELTA_ROWS and x.device.type == "cpu" else x.dtype

@@ -77,7 +77,7 @@ def resolve_compute_dtype(name: str | torch.dtype, device: torch.device) -> torc
 @functools.cache
 def cpu_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX: /proc/cpuinfo's flags). Without
-    it torch's bfloat16 GEMM is emulated: about 1.4 GFLOP/s on a 2-core AVX2 machine, against 130 for float32."""
+    it torch's bfloat16 GEMM is emulated, far slower than float32's (docs/BENCHMARKS.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
@@ -93,7 +93,7 @@ def cache_dir() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """The embedded SmolLM2 as a Hugging Face directory, converted from its GGUF on first use (~20 s)."""
+    """The embedded SmolLM2 as a Hugging Face directory, converted from its GGUF once, on first use."""
     target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if (target / "config.json").exists():
         return target

@@ -159,7 +159,3 @@ _COEF = Param(1.0, lambda v: v >= 0, "finite and non-negative")
 SPEC = LossSpec("opsd", loss, INPUTS, REQUIRED, {"ce_coef": _COEF, "kl_coef": _COEF}, _at_least_one,
                 check_row=validate_row, teacher=TEACHER)
 
-
-def parse_config(config: dict) -> dict:
-    """ce_coef (default 1.0) and kl_coef (default 1.0): finite, non-negative, at least one positive."""
-    return SPEC.config(config)

@@ -27,10 +27,8 @@ from whitney.engine.families.modules import UNEMBED
 
 def _row_block_cpu() -> int:
     """Rows per block on this CPU, by its vector instructions (fixed per machine, so every process on it
-    blocks alike and sums alike). Measured with 2 cores, vocab 49,152, float32 fused forward + gradient:
-    with AVX-512, 16-64 rows within 10% and 256 2x slower (out of cache); with AVX2 only (oneDNN's GEMM
-    wants taller blocks there), at D = 64, 256 rows 1.26x faster than 32 (128: 1.15x, 512: 1.21x), and at
-    D = 576 1.03x."""
+    blocks alike and sums alike): with AVX-512 a small block that stays in cache; with AVX2 only a taller one,
+    which oneDNN's GEMM wants there (docs/BENCHMARKS.md)."""
     return 32 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 256
 
 
@@ -150,9 +148,8 @@ class _Gradient:
 
 class _Unembedding:
     """One block of logits, z = h W^T + u B^T in float32, and the product p W of a block's softmax (dh's):
-    W and W^T through oneDNN's prepacked layouts on the CPU, in the base's dtype (measured on a [32, 49152]
-    block at D = 64 and 576: float32 logits 1.4-1.8x faster than the plain GEMM and p W 1.8x, where the
-    long V reduction of a plain p @ W runs at half the GEMM's speed; bfloat16 logits 1.4-1.7x, p W 1.6x)."""
+    W and W^T through oneDNN's prepacked layouts on the CPU, in the base's dtype: faster than the plain GEMM,
+    above all for p W, whose long V reduction a plain p @ W runs slowly (docs/BENCHMARKS.md)."""
 
     def __init__(self, base: BaseModel, b: torch.Tensor | None):
         self.base = base

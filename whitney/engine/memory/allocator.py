@@ -2,9 +2,8 @@
 
 glibc's malloc serves each block above its mmap threshold (at most 32 MB by default) with a fresh mmap and
 returns it with munmap on free, so every [R, V] logits tensor of a training call (50 MB for 256 tokens of
-a 49,152-token vocabulary) is page-faulted in again, page by page, each time: measured 450 ms of a 480 ms
-`torch.empty(1024, 49152).fill_(1)` on a loaded 2-core machine, against 22 ms once the heap keeps freed
-memory for reuse. `keep_freed_memory` raises the mmap threshold and the trim threshold to
+a 49,152-token vocabulary) is page-faulted in again, page by page, each time: faulting the memory in, not
+filling it, is then most of such a tensor's cost (docs/BENCHMARKS.md). `keep_freed_memory` raises the mmap threshold and the trim threshold to
 KEPT_BYTES, so freed blocks up to that size stay in the heap for the next call. The cost: up to KEPT_BYTES
 of freed memory stays resident after a peak; `malloc_trim(0)` (Engine.delete_run, paging) still returns
 it at once. Linux with glibc only; elsewhere a no-op.

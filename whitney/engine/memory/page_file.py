@@ -9,11 +9,10 @@ Reading back: the tensors of one block (the adapter, each AdamW moment, the grad
 version: tensors that are dropped together) are read with one `readinto` into memory of their own and each
 tensor is built over its bytes (`torch.frombuffer`, then `set_` to its shape and strides: a leaf, not a
 view). A block of 2 MB or more gets an anonymous mapping advised into 2 MB pages (`MADV_HUGEPAGE`): most of
-a page-in was the kernel faulting fresh memory in 4 KB at a time, which 2 MB pages make about three times
-cheaper (`_fresh_memory`). The mapping goes back to the system (munmap) when the block's last tensor is
-dropped. The file's cached pages are freed by closing it on a thread of its own. A rank-32 SmolLM2 run
-with AdamW state (130 MB) on a loaded 2-core VM: page-in p50 180-260 ms reading each tensor into memory
-from the allocator, 47-75 ms this way; page-out p50 105-155 ms with a write per tensor, 77-113 ms with writev.
+a page-in was the kernel faulting fresh memory in 4 KB at a time, which 2 MB pages make much cheaper
+(`_fresh_memory`). The mapping goes back to the system (munmap) when the block's last tensor is dropped. The
+file's cached pages are freed by closing it on a thread of its own. Page-in and page-out times:
+docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -78,9 +77,8 @@ class PagedMoments:
 
 
 # Every layout some paged run keeps, by its entries: runs of one adapter config in the same state write the same
-# entries (names, shapes, offsets), so a thousand paged runs keep one list of them, not a thousand (SmolLM2 at
-# any rank: 422 entries for the adapter, 844 for the moments; a list each was ~0.36 MB of RSS per paged run).
-# Dropped with the last run keeping it.
+# entries (names, shapes, offsets), so a thousand paged runs keep one list of them, not a thousand (a list per
+# run costs each paged run hundreds of entries' memory). Dropped with the last run keeping it.
 _LAYOUTS: "weakref.WeakValueDictionary[tuple[PageEntry, ...], Layout]" = weakref.WeakValueDictionary()
 _LAYOUTS_LOCK = threading.Lock()
 
@@ -139,8 +137,8 @@ def read_file(path: Path, entries: list[PageEntry], device: torch.device, what: 
         raise
     if os.name == "nt":  # an open file cannot be deleted there
         f.close()
-    # The name goes now; the file's pages in the cache are freed when it is closed (14 ms for 130 MB), which
-    # another thread does, off the engine's.
+    # The name goes now; the file's pages in the cache are freed when it is closed (which takes time in
+    # proportion to the file), which another thread does, off the engine's.
     path.unlink(missing_ok=True)
     threading.Thread(target=f.close, name="whitney-page-file-close", daemon=True).start()
 
@@ -181,9 +179,8 @@ def _read_blocks(f, entries: list[PageEntry], what: str):
 
 def _fresh_memory(nbytes: int):
     """A writable buffer of nbytes, 64-byte aligned. From 2 MB up an anonymous mapping of its own, advised
-    into 2 MB pages: measured on a 2-core VM reading 130 MB from the page cache, 4 KB pages took ~180 ms
-    (faults and zeroing), 2 MB pages ~50 ms; unmapped once nothing refers to it (the tensors built over it
-    hold it). Smaller blocks come from torch's allocator, as a tensor would, and keep the mappings few."""
+    into 2 MB pages (a 2 MB page is one fault and one zeroing where 4 KB pages are 512); unmapped once nothing
+    refers to it (the tensors built over it hold it). Smaller blocks come from torch's allocator, as a tensor would, and keep the mappings few."""
     if nbytes < _HUGE_BLOCK or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.empty(nbytes, dtype=torch.uint8).numpy()
     try:

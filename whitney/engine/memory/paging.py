@@ -17,8 +17,8 @@ Who pages out: the scheduler's worker thread, the one that owns the engine, call
 between engine calls (through `Backend.page_out_idle`); it is a clock comparison when nothing is due.
 A run with sampling requests in flight on its versions stays (a request holds its adapter). The engine's
 thread only takes the state out of the run; the pager's writer thread writes the files and then drops the
-state, so neither a sweep nor a page-in that pushes a run out waits for a write (a page-out of a SmolLM2
-run is 50-170 ms). A run whose write is still in flight at its next use waits for it and is read back; a
+state, so neither a sweep nor a page-in that pushes a run out waits for a write (a page-out writes the run's
+every tensor: docs/BENCHMARKS.md for its times). A run whose write is still in flight at its next use waits for it and is read back; a
 write that fails (a full disk) puts the state back into its run (`Pager.collect`).
 
 A residency budget (`EngineConfig.max_resident_runs`) bounds memory whatever the clock says: a run coming

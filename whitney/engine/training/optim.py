@@ -26,9 +26,9 @@ class OptimizerState:
 
 
 # Runs of at most this many weight elements in all are updated in one pass of `optim_steps` (bounds the
-# temporary denominators to 4 MB of float32). The steps are memory-bound: on the CPU one pass over 32 runs
-# took the same time as 32 per-run steps (measured from 64K to 16M elements per pass), so what batching
-# saves is the scheduler's per-operation work (one backend call, one store transaction), not arithmetic.
+# temporary denominators to 4 MB of float32). The steps are memory-bound: on the CPU one pass over many runs
+# takes about the time of their per-run steps, so what batching saves is the scheduler's per-operation work
+# (one backend call, one store transaction), not arithmetic.
 STEP_CHUNK_ELEMENTS = 1 << 20
 
 

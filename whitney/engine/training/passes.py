@@ -2,11 +2,10 @@
 whose kept activations fit a memory budget.
 
 A pass keeps every layer's activations until its backward, so its memory grows with its padded tokens
-(rows x longest row): 32 runs of 4 x 64 tokens on SmolLM2 in one float32 pass held 17.8 GiB and ran 2.12 s
-per run, against 1.36-1.44 s per run in passes of 1 to 8 runs (peak RSS 1.8-5.9 GiB) on the same 2-core CPU.
-Each request stays whole in one pass, so its results and gradient are those of one pass (to float rounding:
-a GEMM's blocking may follow its rows); one larger than the budget runs alone (the service's max_batch_tokens
-bounds it).
+(rows x longest row), while its time per run does not fall past a few runs (docs/BENCHMARKS.md): one huge
+pass holds many times the memory of several smaller ones and is no faster per run. Each request stays whole
+in one pass, so its results and gradient are those of one pass (to float rounding: a GEMM's blocking may
+follow its rows); one larger than the budget runs alone (the service's max_batch_tokens bounds it).
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ def activation_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Estimated peak memory of a training pass per token: per layer, and once more for the embedding, final
     norm and unembedding, 12 hidden-wide and 8 MLP-wide values in the compute dtype. About twice what autograd
     saves for the backward (norm inputs, q/k/v, attention output, residuals; gate, up, their activation and
-    product; 1.25 MB per token on SmolLM2 in float32): the backward's own tensors come on top. SmolLM2
-    (30 x (576, 1536), float32): 2.4 MB; the peak RSS of its passes of 1,024 to 8,192 tokens, less the
-    model's, grew 2.3 MB per token."""
+    product): the backward's own tensors come on top. Checked against the peak RSS of real passes
+    (docs/BENCHMARKS.md)."""
     mlp = config.intermediate_size or 4 * config.hidden_size  # the general path may not know it (MoE)
     return (config.num_layers + 1) * (12 * config.hidden_size + 8 * mlp) * torch.finfo(dtype).bits // 8
 
