@@ -286,13 +286,34 @@ def test_corrupt_or_mismatched_sharded_checkpoint_is_refused(sharded, tiny_qwen3
     assert run.optimizer.step == 0
 
 
-def test_a_general_path_model_is_refused_clearly(tmp_path):
+def _on_rank_general(model: str) -> dict:
+    """A general-path model (Hugging Face modules) on one of two ranks: its layers sharded, then trained."""
+    engine = ShardedEngine()
+    stack = engine.load_model(model).decoder_stack
+    layers = list(stack.layers.parameters())
+    out = {"dtensors_at_rest": all(isinstance(p, DTensor) for p in layers),
+           "local": sum(p.to_local().numel() for p in layers), "whole": sum(p.numel() for p in layers)}
+    out |= _train(engine, model)
+    out["dtensors_after_training"] = all(isinstance(p, DTensor) for p in stack.layers.parameters())
+    return out
+
+
+def test_a_general_path_model_shards_and_trains_as_unsharded(tmp_path):
+    """The general path shards through the same Decoder interface: each rank holds half of every layer weight,
+    and training, scoring and sampling equal the unsharded engine's."""
     from tests.models import make_tiny_general_model
 
-    path = make_tiny_general_model(tmp_path / "mistral", "mistral")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with pytest.raises(InvalidInput, match="general path, which is not sharded"):
-            ShardedEngine().load_model(str(path))
-    finally:
-        dist.destroy_process_group()
+    path = str(make_tiny_general_model(tmp_path / "mistral", "mistral"))
+    reference = _train(Engine(device="cpu"), path)
+    ranks = spawn_ranks(2, _on_rank_general, path, backend="gloo", timeout=300)
+    for r in ranks:
+        assert r["dtensors_at_rest"] and r["dtensors_after_training"], "layer weights must be sharded DTensors"
+        assert r["local"] == r["whole"] // 2, f"a rank holds {r['local']} of {r['whole']} layer values, not half"
+        _close(r["losses"], reference["losses"], "losses")
+        _close(r["grad_norms"], reference["grad_norms"], "grad_norms")
+        _close(r["final"], reference["final"], "final")
+        for run_id in LORA:
+            _close(_nested(r["logprobs"][run_id]), _nested(reference["logprobs"][run_id]), f"logprobs.{run_id}")
+        assert [t for t, _ in r["samples"]] == [t for t, _ in reference["samples"]]
+        _close([lp for _, lp in r["samples"]], [lp for _, lp in reference["samples"]], "sample logprobs")
+    assert ranks[0]["losses"] == ranks[1]["losses"]

@@ -24,7 +24,7 @@ Shape legend: B rows, T positions, D hidden, V vocabulary.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -220,9 +220,17 @@ class GeneralModel(BaseModel):
     def module_paths(self) -> list[str]:
         return [n for n, _ in self.hf.named_modules()]  # a multimodal checkpoint's vision tower's too
 
-    def shard(self, shard: Callable[[torch.nn.Module], None], device: torch.device) -> BaseModel:
-        raise InvalidInput(f"base model {self.name!r} ({self.config.model_type}) runs on the general path, which "
-                           "is not sharded yet: serve it on one device (no shards)", field="base_model")
+    def shard(self, shard: Callable[[torch.nn.Module], None], device: torch.device) -> GeneralModel:
+        """This model (loaded on the CPU) with each of its decoder layers sharded by `shard`, then the decoder
+        stack (their root, whose forward runs them all; its own embedding and final norm are sharded with it and
+        gathered for its forward), and the unembedding on `device`. The model's own modules run as ever: a
+        sharding wrapper gathers a layer's weights around its forward and its backward."""
+        stack = self.decoder_stack
+        for layer in stack.layers:
+            shard(layer)
+        shard(stack)
+        head = self.hf.get_output_embeddings().to(device)  # never run (BaseModel.unembed uses its weight)
+        return replace(self, embed=self.embed.to(device), lm_head=head.weight.detach())
 
     def forward_hidden(self, tokens: torch.Tensor, groups: RowGroups,
                        images: list[list[ProcessedImage]] | None = None) -> torch.Tensor:

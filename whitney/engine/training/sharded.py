@@ -8,7 +8,8 @@ layer weights as parameters without gradients, `transformer.LayerStack`) wrapped
 (`torch.distributed.fsdp.fully_shard`, one unit per layer, then their root), so at rest a rank holds 1/N of every
 layer weight (dim 0). Each layer runs through its module's `__call__`: FSDP2's hooks all-gather the layer's
 weights before its forward and again before its backward, and free them after each.
-Replicated on every rank: the embedding, final norm and unembedding (a small share of a large model), and
+Replicated on every rank: the embedding, final norm and unembedding (a small share of a large model; a
+general-path model's decoder stack is the root unit, its embedding and norm gathered for its forward), and
 each run's LoRA weights, gradients and AdamW moments (r * (in + out) per module).
 
 Every rank computes the whole batch; rows are not split across ranks. FSDP2's all-gathers are
