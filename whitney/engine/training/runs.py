@@ -1,32 +1,30 @@
 """The training engine: base models loaded once, runs (adapter + gradients + optimizer) on top.
 
-`Engine.run_batch` is the one path from requests to tensors: validate every request, pad all datums
-of all runs into one [B, T] batch with rows grouped per adapter, run the shared forward once, take
-each request's target log-probs, apply its loss, and (for forward_backward) take gradients of the sum
-of the requests' losses with torch.autograd.grad and add each run's share to that run's accumulator.
-Gradients are added only after the whole batch succeeded, so a rejected request never leaves any.
+`Engine.run_batch` is the one path from requests to tensors: validate every request, group them by base
+model and cut them into passes that fit the memory budget (passes.py), then run each pass (batch.py): all
+datums of all runs padded into one [B, T] batch with rows grouped per adapter, the shared forward once, each
+request's target log-probs and loss, and (for forward_backward) the gradients of the sum of the requests'
+losses, each run's share added to that run's accumulator. A rejected request never reaches a pass, so it
+never leaves a gradient.
 
 Shape legend: B rows (datums), T padded length, D hidden, V vocab, N tokens of one request, K soft targets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from whitney.engine.families import vision
-from whitney.engine.families.decoder import BaseModel, full_logprobs
-from whitney.engine.families.lora import Adapter, RowGroups, copy_adapter, init_adapter
+from whitney.engine.families.decoder import BaseModel
+from whitney.engine.families.lora import Adapter, copy_adapter, init_adapter
 from whitney.engine.families.model import COMPUTE_DTYPES, load_base_model, resolve_compute_dtype, resolve_device
 from whitney.engine.losses.builtin import LOSSES
-from whitney.engine.losses.datum import PreparedDatum, prepare_datum
-from whitney.engine.losses.table import SCALAR, LossOutput, LossSpec
-from whitney.engine.losses.unembedding import target_logprobs
+from whitney.engine.losses.datum import prepare_datum
 from whitney.engine.memory.paging import Pager, release_memory
 from whitney.engine.sampling.rows import SampleRequest
 from whitney.engine.sampling.sampler import Sampler
 from whitney.engine.training import checkpoint as ckpt
+from whitney.engine.training.batch import Prepared, add_gradient, compute_pass
 from whitney.engine.training.optim import OptimizerState, optim_step, optim_steps
 from whitney.engine.training.passes import activation_bytes_per_token, default_pass_mib, plan_passes
 from whitney.engine.training.requests import check_request
@@ -35,18 +33,7 @@ from whitney.engine.training.sharded_checkpoint import load_sharded_run
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
 from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, check_optional_count
 from whitney.protocol.sampling import SampleResult, SamplingParams
-from whitney.protocol.training import AdamParams, Datum, DatumOutput, ForwardRequest, ForwardResult, LoraConfig
-
-
-@dataclass
-class _Prepared:
-    request: ForwardRequest
-    adapter: Adapter | None
-    run: Run | None
-    datums: list[PreparedDatum]
-    spec: LossSpec  # the loss's table entry
-    config: dict
-    rows: list | None = None  # per datum, what spec.check_row returned (a teacher pass: KL positions)
+from whitney.protocol.training import AdamParams, Datum, ForwardRequest, ForwardResult, LoraConfig
 
 
 class Engine:
@@ -131,7 +118,7 @@ class Engine:
         """Add a staged operation's gradient (all its micro-batches) to the run's accumulator."""
         run = self.get_run(run_id)
         for name, g in run.staged.pop(stage, {}).items():
-            _add(run.grads, name, g)
+            add_gradient(run.grads, name, g)
 
     def discard_gradients(self, run_id: str, stage: str) -> None:
         """Forget a staged operation's gradient (it failed or was cancelled part-way)."""
@@ -172,7 +159,7 @@ class Engine:
 
     def _run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | WhitneyError]:
         out: list[ForwardResult | WhitneyError | None] = [None] * len(requests)
-        by_base: dict[str, list[tuple[int, _Prepared]]] = {}
+        by_base: dict[str, list[tuple[int, Prepared]]] = {}
         for i, request in enumerate(requests):
             try:
                 prepared = self._prepare(request, backward)
@@ -192,7 +179,7 @@ class Engine:
                     out[items[j][0]] = result
         return out  # type: ignore[return-value]
 
-    def _passes(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[list[int]]:
+    def _passes(self, base: BaseModel, items: list[Prepared], backward: bool) -> list[list[int]]:
         """A training call's requests in passes whose kept activations fit max_pass_mib (passes.py); a forward
         keeps none, so it runs as one."""
         if not backward:
@@ -209,7 +196,7 @@ class Engine:
                                 vision.expander(base))
         return sum(d.length for d in checked.datums)
 
-    def _prepare(self, request: ForwardRequest, backward: bool) -> _Prepared:
+    def _prepare(self, request: ForwardRequest, backward: bool) -> Prepared:
         if request.run_id is None:
             run, adapter = None, None
             base = self.load_model(request.base_model or DEFAULT_MODEL)
@@ -218,104 +205,11 @@ class Engine:
             adapter, base = run.adapter, run.base
         checked = check_request(request, backward, base.config.vocab_size, base.config.max_context,
                                 vision.expander(base))
-        return _Prepared(request, adapter, run, checked.datums, checked.spec, checked.config, checked.rows)
+        return Prepared(request, adapter, run, checked.datums, checked.spec, checked.config, checked.rows)
 
-    def _compute(self, base: BaseModel, items: list[_Prepared], backward: bool) -> list[ForwardResult | WhitneyError]:
-        teacher_kl = self._teacher_logprobs(base, items)
-        lengths = [d.length for it in items for d in it.datums]
-        T = max(lengths)
-        tokens = torch.zeros(len(lengths), T, dtype=torch.int64, device="cpu")  # [B, T], right-padded
-        for row, d in enumerate(d for it in items for d in it.datums):
-            tokens[row, : d.length] = d.tokens
-        tokens = tokens.to(base.device)  # filled on the CPU, one copy to the device
-        bounds, row = [], 0
-        for it in items:
-            bounds.append((row, row + len(it.datums), it.adapter))
-            row += len(it.datums)
-        groups = RowGroups(bounds)
-        with torch.set_grad_enabled(backward):
-            images = [d.images for it in items for d in it.datums]  # per row, its processed images
-            hidden = base.forward_hidden(tokens, groups, images)  # [B, T, D]
-            valid = (torch.arange(T, device=base.device)[None, :]
-                     < torch.tensor(lengths, device=base.device)[:, None])  # [B, T]
-            flat = hidden[valid]  # [sum N, D], row-major: each request's tokens are contiguous
-            outputs, start = [], 0
-            for it, tk in zip(items, teacher_kl):
-                n = sum(d.length for d in it.datums)
-                try:
-                    outputs.append(self._loss(base, it, flat[start:start + n], tk))
-                except WhitneyError as e:  # a loss refusing its values only now (a custom graph): it alone fails
-                    outputs.append(e)
-                start += n
-            ran = [(it, o) for it, o in zip(items, outputs) if isinstance(o, LossOutput)]
-            if backward and ran:
-                self._accumulate([it for it, _ in ran], [o for _, o in ran])
-        return [o if isinstance(o, WhitneyError) else self._result(it, o) for it, o in zip(items, outputs)]
-
-    def _loss(self, base: BaseModel, it: _Prepared, h: torch.Tensor, teacher_kl) -> LossOutput:
-        """Apply the request's loss to its hidden rows h [N, D] (all its datums, concatenated, moved here from
-        the CPU, where they were validated, to the device), with the inputs loss_table.py's contract names."""
-        dev = base.device
-        targets = torch.cat([d.inputs["target_tokens"] for d in it.datums]).to(dev)  # [N] or [N, K]
-        per_position = [k for k in it.datums[0].inputs if it.spec.inputs[k].rows == "N"]
-        inputs = {k: torch.cat([d.inputs[k] for d in it.datums]).to(dev) for k in per_position}
-        inputs.update({k: torch.stack([d.inputs[k] for d in it.datums]).to(dev)  # [B]: one value per datum
-                       for k in it.datums[0].inputs if it.spec.inputs[k].rows == SCALAR})
-        lengths = torch.tensor([d.length for d in it.datums], device="cpu")
-        inputs["datum_index"] = torch.repeat_interleave(torch.arange(len(it.datums), device="cpu"),
-                                                        lengths).to(dev)  # [N]
-        if it.spec.teacher:  # the KL pairs: learner full-vocabulary log-probs here, the teacher's from its pass
-            starts = (torch.cumsum(lengths, 0) - lengths).tolist()
-            pos = torch.cat([s_pos + start for (s_pos, _), start in zip(it.rows, starts)]).to(dev)  # [P]
-            inputs["kl_index"] = pos
-            inputs["student_kl"] = full_logprobs(base.unembed(h[pos], RowGroups([(0, len(pos), it.adapter)])))
-            inputs["teacher_kl"] = torch.cat(teacher_kl)  # [P, V]
-        # A loss linear in the log-probs knows its gradient now: the unembedding takes it in the same pass.
-        known = it.spec.gradient(inputs, it.config) if it.spec.gradient and torch.is_grad_enabled() else None
-        lp = target_logprobs(base, h, targets, it.adapter, known)  # [N] or [N, K], logits never all at once
-        return it.spec.fn(lp, inputs, it.config)
-
-    def _teacher_logprobs(self, base: BaseModel, items: list[_Prepared]) -> list[list[torch.Tensor] | None]:
-        """Teacher streams (a loss whose entry names one) through the same weights, no gradient: [K, V]
-        log-probs at each datum's paired teacher positions."""
-        out: list[list[torch.Tensor] | None] = [None] * len(items)
-        rows = [(i, d.inputs[it.spec.teacher], pair[1]) for i, it in enumerate(items) if it.spec.teacher
-                for d, pair in zip(it.datums, it.rows)]
-        if not rows:
-            return out
-        T = max(int(stream.shape[0]) for _, stream, _ in rows)
-        tokens = torch.zeros(len(rows), T, dtype=torch.int64, device="cpu")  # [R, T] right-padded
-        bounds = []
-        for r, (i, stream, _) in enumerate(rows):
-            tokens[r, : stream.shape[0]] = stream
-            bounds.append((r, r + 1, items[i].adapter))
-        with torch.no_grad():
-            hidden = base.forward_hidden(tokens.to(base.device), RowGroups(bounds))
-            for r, (i, _, pos) in enumerate(rows):
-                h = hidden[r, pos.to(base.device)]  # [K, D]
-                lp = full_logprobs(base.unembed(h, RowGroups([(0, len(pos), items[i].adapter)])))
-                out[i] = (out[i] or []) + [lp]
-        return out
-
-    def _accumulate(self, items: list[_Prepared], outputs: list[LossOutput]) -> None:
-        """Gradients of the summed losses; each run's share is added to its own accumulator (or to the
-        staging area its request names)."""
-        targets = {id(it.run): (it.run, it.run.grads if it.request.stage is None
-                                else it.run.staged.setdefault(it.request.stage, {})) for it in items}
-        params = [(acc, name, p) for run, acc in targets.values() for name, p in run.adapter.named_parameters()]
-        total = sum(o.loss for o in outputs)
-        grads = torch.autograd.grad(total, [p for _, _, p in params], allow_unused=True)
-        for (acc, name, _), g in zip(params, grads):
-            if g is not None:
-                _add(acc, name, g)
-
-    def _result(self, it: _Prepared, o: LossOutput) -> ForwardResult:
-        outputs, start = [], 0
-        lp, el = o.logprobs.tolist(), o.elementwise.tolist()
-        for d in it.datums:
-            outputs.append(DatumOutput(lp[start:start + d.length], el[start:start + d.length]))
-            start += d.length
-        return ForwardResult(float(o.loss.detach()), o.metrics, outputs, dict(o.mean_counts))
+    def _compute(self, base: BaseModel, items: list[Prepared], backward: bool) -> list[ForwardResult | WhitneyError]:
+        """One pass over the prepared requests (batch.py)."""
+        return compute_pass(base, items, backward)
 
     # ---- optimizer -----------------------------------------------------------------------
 
@@ -371,7 +265,7 @@ class Engine:
         ce = LOSSES["cross_entropy"]
         prepared = [prepare_datum(d, i, ce.inputs, {"target_tokens"}, base.config.vocab_size,
                                   base.config.max_context, expand) for i, d in enumerate(data)]
-        (result,) = self._compute(base, [_Prepared(ForwardRequest(None, list(data)), adapter, None, prepared, ce, {})],
+        (result,) = self._compute(base, [Prepared(ForwardRequest(None, list(data)), adapter, None, prepared, ce, {})],
                                   backward=False)
         return [vision.sequence_logprobs(o.logprobs, im) for o, im in zip(result.outputs, image_rows)]
 
@@ -481,10 +375,3 @@ class Engine:
         else:
             ckpt.export_peft(path, run.adapter, run.base)
 
-
-def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
-    """Add a gradient into an accumulator; the first one since the last optim_step is kept as is."""
-    if name in acc:
-        acc[name] += g
-    else:
-        acc[name] = g
