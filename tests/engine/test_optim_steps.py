@@ -9,7 +9,7 @@ import torch
 
 from whitney.backends.in_process import InProcessBackend
 from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
-from whitney.engine.families.lora import Adapter, RowGroups, _delta
+from whitney.engine.families.lora import Adapter, RowGroups, lora_delta
 from whitney.engine.training import optim
 from whitney.engine.training.optim import OptimizerState, optim_step, optim_steps
 from whitney.protocol.backend import Failure
@@ -131,7 +131,7 @@ def test_one_group_in_place_equals_the_concatenated_deltas(rows, rank, d_in, d_o
     y = (xx @ w.T).detach()
 
     fused = RowGroups([(0, rows, adapter)]).apply("p", x, y[:rows].clone())
-    assert torch.equal(fused, y[:rows] + _delta(adapter, "p", x))
+    assert torch.equal(fused, y[:rows] + lora_delta(adapter, "p", x))
     want = torch.autograd.grad(fused, [adapter.A["p"], adapter.B["p"], x], grad)
 
     # The same rows and a second group of base-only rows: the concatenated-deltas path.

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from whitney.engine.families.lora import RowGroups, _delta
+from whitney.engine.families.lora import RowGroups, lora_delta
 
 EXPERT_ATTRIBUTES = ("num_experts", "has_gate", "has_bias", "is_transposed")  # what the decorator sets
 
@@ -72,7 +72,7 @@ def _project(module: torch.nn.Module, name: str, expert: int, x: torch.Tensor, k
             continue
         adapter = adapters[g] if g < len(adapters) else None
         if adapter is not None and key in adapter.A:
-            pieces.append(_delta(adapter, key, x[offset:offset + n], expert))
+            pieces.append(lora_delta(adapter, key, x[offset:offset + n], expert))
             adapted = True
         else:
             pieces.append(y.new_zeros((n, y.shape[-1])))

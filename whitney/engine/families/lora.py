@@ -23,7 +23,7 @@ from whitney.protocol.config import EngineConfig
 from whitney.protocol.training import LoraConfig
 
 DEFAULT_MAX_RANK = EngineConfig.max_lora_rank
-FLOAT32_DELTA_ROWS = 64  # LoRA deltas of at most this many rows are computed in float32 (see _delta)
+FLOAT32_DELTA_ROWS = 64  # LoRA deltas of at most this many rows are computed in float32 (see lora_delta)
 
 
 @dataclass
@@ -213,7 +213,7 @@ class RowGroups:
         if len(self.bounds) == 1 and _covers(self.bounds[0], name, y):
             # One adapter over every row: its delta added in place (y is a fresh projection output that autograd
             # does not keep), with no second [R, out] tensor (the unembedding's [R, V] above all).
-            delta = _delta(self.bounds[0][2], name, x)
+            delta = lora_delta(self.bounds[0][2], name, x)
             return y.add_(delta) if y._base is None else y + delta
         if _accelerated(x):  # the CPU keeps its loop (see _batched): nothing more on its hot path
             groups = [(range(start, end), a) for start, end, a in self.bounds if a is not None and name in a.A]
@@ -227,7 +227,7 @@ class RowGroups:
                 continue
             if start > covered:
                 pieces.append(y.new_zeros((start - covered, *y.shape[1:])))
-            pieces.append(_delta(adapter, name, x[start:end]))
+            pieces.append(lora_delta(adapter, name, x[start:end]))
             covered = end
         if not pieces:
             return y
@@ -289,9 +289,9 @@ class RowGroups:
         for rows, adapter in self.bounds:
             if adapter is not None and name in adapter.A:
                 if len(rows) == y.shape[0]:  # every row (in some order): the delta is row-wise, no gather
-                    y += _delta(adapter, name, x)
+                    y += lora_delta(adapter, name, x)
                 else:
-                    y[rows] += _delta(adapter, name, x[rows])
+                    y[rows] += lora_delta(adapter, name, x[rows])
         return y
 
     def rows(self, counts: list[int]) -> "RowGroups":
@@ -324,7 +324,7 @@ def _covers(bound: tuple, name: str, y: torch.Tensor) -> bool:
     return adapter is not None and name in adapter.A and start == 0 and end == y.shape[0]
 
 
-def _delta(adapter: Adapter, name: str, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+def lora_delta(adapter: Adapter, name: str, x: torch.Tensor, expert: int | None = None) -> torch.Tensor:
     """scale * (x @ A^T) @ B^T for rows x [R, ..., in] -> [R, ..., out] (x's dtype): two thin matmuls, never B @ A.
     With `expert`, A and B are that expert's of an expert projection (A[name][expert], B[name][expert]).
 

@@ -134,7 +134,7 @@ class _Gradient:
         self.dh[rows] += neg_c * self.lm.times_w(p)  # rows scaled after the product
         if self.u is not None:
             self.du[rows] += neg_c * (p @ self.lm.b_t.T)
-            self.db_t.addmm_((neg_c * self.u[rows]).T, p)  # [r, R] @ [R, V]: the wide product (see lora._delta)
+            self.db_t.addmm_((neg_c * self.u[rows]).T, p)  # [r, R] @ [R, V]: the wide product (see lora.lora_delta)
 
     def result(self, h: torch.Tensor, b: torch.Tensor | None, rows: torch.Tensor | None = None):
         """(dh [N, D] in h's dtype, du [N, r], dB [V, r]) for all N rows (rows: where the M rows go)."""
