@@ -5,6 +5,7 @@
   training.py  datums and their tensors, ForwardRequest / ForwardResult (and merge_results), LoraConfig,
                AdamParams, the loss metrics' reductions
   sampling.py  SamplingParams and their checks, SampleResult, SampleProgress
-  backend.py   the Backend protocol, BackendSpec, ModelInfo, Weights, Failure, ChatTokens
+  backend.py   the Backend protocol (with Tokenizers and Housekeeping: ServedBackend), BackendSpec, ModelInfo,
+               Weights, Failure, PackageKind, Residency, ChatTokens
   files.py     checkpoint directories written whole (atomic_dir) and half-written ones removed at start
 """
