@@ -221,11 +221,15 @@ class InProcessBackend(chat.TextMethods, LossMethods):
         return ended
 
     def tokenizer(self, base_model: str):
-        """A loaded model's own tokenizer (RayBackend fetches it once from a worker); never loads a model."""
+        """A loaded model's own tokenizer; never loads a model (RayBackend makes its own from `tokenizer_files`)."""
         base = self.engine.models.get(base_model)
         if base is None:
             raise InvalidInput(f"base model {base_model!r} is not served here", field="base_model")
         return base.tokenizer
+
+    def tokenizer_files(self, base_model: str) -> dict[str, bytes]:
+        """A loaded model's own tokenizer as plain data (chat.tokenizer_files), for a proxy elsewhere."""
+        return chat.tokenizer_files(self.tokenizer(base_model))
 
     def take_lost_runs(self) -> list[str]:
         return []  # the engine lives and dies with this process

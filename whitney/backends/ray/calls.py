@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from whitney.protocol.backend import Failure, PackageKind, Residency, Weights
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
@@ -171,13 +171,13 @@ class SampleSteps(Call[list]):
 
 
 @dataclass(frozen=True)
-class Tokenizer(Call[Any]):
-    """The model's own tokenizer (pickled: the proxy fetches it once and renders chats with it)."""
+class TokenizerFiles(Call[dict[str, bytes]]):
+    """The model's own tokenizer as plain data, its files (the proxy makes it once and renders chats with it)."""
 
     base_model: str
 
-    def on(self, backend: InProcessBackend) -> Any:
-        return backend.tokenizer(self.base_model)
+    def on(self, backend: InProcessBackend) -> dict[str, bytes]:
+        return backend.tokenizer_files(self.base_model)
 
 
 @dataclass(frozen=True)

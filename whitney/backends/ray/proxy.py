@@ -31,7 +31,7 @@ from typing import Any, Callable
 from whitney.backends.in_process import adapter_bytes
 from whitney.backends.ray.calls import (
     Call, ComputeLogprobs, CountResidency, CreateRun, DeleteRun, LoadState, OptimSteps, PageOutIdle, RunBatch, Save,
-    SettleGradients, Tokenizer, Validate)
+    SettleGradients, TokenizerFiles, Validate)
 from whitney.backends.ray.placement import Placement
 from whitney.backends.ray.sampling import Sampling
 from whitney.backends.ray.supervisor import Supervisor
@@ -167,12 +167,13 @@ class RayBackend(chat.TextMethods, LossMethods):
     # ---- Tokenizers: the model's own, here in the control plane ------------------------------
 
     def tokenizer(self, base_model: str):
-        """The model's own tokenizer, fetched from its trainer once (pickled, so no node needs the model's
-        files but the workers); later calls never leave this process."""
+        """The model's own tokenizer, made here once from the files its trainer sends (plain data: no live object
+        crosses, and no node needs the model's files but the workers); later calls never leave this process."""
         model = self.supervisor.model(base_model)
         with self._tokenizer_lock:
             if model not in self._tokenizers:
-                self._tokenizers[model] = self.supervisor.call(self.supervisor.trainers[model], Tokenizer(model))
+                files = self.supervisor.call(self.supervisor.trainers[model], TokenizerFiles(model))
+                self._tokenizers[model] = chat.tokenizer_from_files(files)
             return self._tokenizers[model]
 
     # ---- Housekeeping -------------------------------------------------------------------------

@@ -13,6 +13,9 @@ is refused with a message saying so.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from whitney.errors import InvalidInput
 from whitney.protocol.backend import ChatTokens
 
@@ -75,6 +78,24 @@ def decode(tokenizer, sequences: list[list[int]], skip_special_tokens: bool = Tr
     spaces, so a text decoded in pieces joins up to the text decoded whole."""
     return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
             for s in sequences]
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """A tokenizer as plain data: the files `save_pretrained` writes for it (vocabulary, merges, special tokens,
+    chat template), {file name: bytes}; `tokenizer_from_files` makes the same tokenizer again elsewhere."""
+    with tempfile.TemporaryDirectory(prefix="whitney-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, bytes]):
+    """The tokenizer `tokenizer_files` described, loaded from a folder of its own files (no model files)."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="whitney-tokenizer-") as folder:
+        for name, data in files.items():
+            (Path(folder) / Path(name).name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(folder)
 
 
 class TextMethods:
