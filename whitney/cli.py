@@ -416,6 +416,7 @@ def add_keys_command(sub) -> None:
 def keys_main(args) -> int:
     import json
     import time
+    from dataclasses import asdict
 
     from whitney.errors import NotFound
     from whitney.service.store.database import Store
@@ -431,7 +432,7 @@ def keys_main(args) -> int:
         row = store.create_key(digest_of(key), args.name, {name: getattr(args, name) for name in LIMITS})
         print(key)
         label = f" ({args.name})" if args.name else ""
-        print(f"created {row['id']}{label}; the key above is shown only now", file=sys.stderr)
+        print(f"created {row.id}{label}; the key above is shown only now", file=sys.stderr)
         return 0
     if args.action == "revoke":
         try:
@@ -439,20 +440,21 @@ def keys_main(args) -> int:
         except NotFound as e:
             print(f"whitney keys revoke: {e}", file=sys.stderr)
             return 1
-        label = row["name"]
-        print(f"revoked {row['id']}" + (f" ({label})" if label else ""))
+        label = row.name
+        print(f"revoked {row.id}" + (f" ({label})" if label else ""))
         return 0
-    rows = [{k: v for k, v in row.items() if k != "digest"} for row in store.list_keys()]
+    rows = store.list_keys()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([{k: v for k, v in asdict(row).items() if k != "digest"} for row in rows], indent=2))
         return 0
 
     def when(t: float | None) -> str:
         return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
     table = [("ID", "NAME", "CREATED", "REVOKED", "LIMITS")] + [
-        (r["id"], r["name"] or "-", when(r["created_at"]), when(r["revoked_at"]),
-         ", ".join(f"{n}={r[n]}" for n in LIMITS if r[n] is not None) or "server defaults") for r in rows]
+        (r.id, r.name or "-", when(r.created_at), when(r.revoked_at),
+         ", ".join(f"{n}={getattr(r, n)}" for n in LIMITS if getattr(r, n) is not None) or "server defaults")
+        for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(4)]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[4])

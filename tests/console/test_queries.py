@@ -26,20 +26,20 @@ def operation(store: Store, run_id: str, seq_id: int, kind: OperationKind, statu
               result: dict | None = None, error: dict | None = None) -> str:
     op, _ = store.submit_operation("me", run_id, seq_id, kind, f"d{seq_id}")
     if status != OperationStatus.QUEUED:
-        store.set_operation(op["id"], OperationStatus.RUNNING)
+        store.set_operation(op.id, OperationStatus.RUNNING)
         if status != OperationStatus.RUNNING:
-            store.set_operation(op["id"], status, result=result, error=error)
-    return op["id"]
+            store.set_operation(op.id, status, result=result, error=error)
+    return op.id
 
 
 def test_curves_timeline_versions_and_counts(store):
     session = store.create_session("me")
-    run_id = store.create_run(session["id"], "me", "tiny", {"rank": 4}, None, False, None)["id"]
+    run_id = store.create_run(session.id, "me", "tiny", {"rank": 4}, None, False, None).id
     operation(store, run_id, 0, OperationKind.FORWARD_BACKWARD, OperationStatus.SUCCEEDED, FB_RESULT)
     operation(store, run_id, 1, OperationKind.OPTIM_STEP, OperationStatus.SUCCEEDED, OPTIM_RESULT)
     package = store.register_package(run_id, "me", "sampler", "1", "/nowhere", "tiny")
     operation(store, run_id, 2, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER, OperationStatus.SUCCEEDED,
-              {"version": 1, "package": {"id": package["id"], "kind": "sampler"}})
+              {"version": 1, "package": {"id": package.id, "kind": "sampler"}})
     error = {"code": "invalid_input", "message": "datum 1: bad", "field": "target_tokens", "datum_index": 1,
              "category": "user"}
     operation(store, run_id, 3, OperationKind.FORWARD_BACKWARD, OperationStatus.FAILED, error=error)
@@ -61,8 +61,8 @@ def test_curves_timeline_versions_and_counts(store):
     assert rows[2]["error"] == error and rows[2]["ran_s"] >= 0
 
     assert queries.sampler_versions(store, run_id)[0]["version"] == 1
-    assert queries.sampler_versions(store, run_id)[0]["package_id"] == package["id"]
-    assert queries.owner_sampler_versions(store, "me", [run_id]) == {run_id: [(1, package["id"])]}
+    assert queries.sampler_versions(store, run_id)[0]["package_id"] == package.id
+    assert queries.owner_sampler_versions(store, "me", [run_id]) == {run_id: [(1, package.id)]}
     assert queries.owner_sampler_versions(store, "someone else", [run_id]) == {}
     counts = queries.operation_counts(store, [run_id])[run_id]
     assert counts == {"steps": 1, "succeeded": 3, "failed": 1, "running": 1, "queued": 1}
@@ -98,8 +98,8 @@ def test_open_server_console_needs_no_key(tmp_path, tiny_llama):
 
 def new_run(store: Store, owner: str = "me", session_metadata: dict | None = None, **run) -> str:
     session = store.create_session(owner, session_metadata)
-    return store.create_run(session["id"], owner, run.pop("base_model", "tiny"), run.pop("lora", {"rank": 4}),
-                            None, False, run)["id"]
+    return store.create_run(session.id, owner, run.pop("base_model", "tiny"), run.pop("lora", {"rank": 4}),
+                            None, False, run).id
 
 
 def test_find_runs_by_words_and_status(store):
@@ -129,28 +129,28 @@ def test_sample_wait_counts_what_is_ahead(store):
     mine, _ = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
     later_run = new_run(store)
     operation(store, later_run, 0, OperationKind.FORWARD_BACKWARD, OperationStatus.QUEUED)  # after mine: not ahead
-    wait = queries.sample_wait(store, "me", mine["id"])
+    wait = queries.sample_wait(store, "me", mine.id)
     assert wait["status"] == "queued" and wait["ahead"] == 3 and wait["waited_s"] >= 0
     assert wait["behind"] == [{"kind": "forward_backward", "status": "running", "count": 1},
                               {"kind": "optim_step", "status": "queued", "count": 1},
                               {"kind": "sample", "status": "queued", "count": 1}]
     # Started: the samples queued before it are behind it now; the engine's training is still ahead.
-    store.set_operation(mine["id"], OperationStatus.RUNNING)
-    assert queries.sample_wait(store, "me", mine["id"])["ahead"] == 2
+    store.set_operation(mine.id, OperationStatus.RUNNING)
+    assert queries.sample_wait(store, "me", mine.id)["ahead"] == 2
     store.set_operation(running, OperationStatus.SUCCEEDED, result={"loss": 1.0, "metrics": {}})
-    store.set_operation(earlier["id"], OperationStatus.RUNNING)
-    assert queries.sample_wait(store, "me", mine["id"])["behind"] == [
+    store.set_operation(earlier.id, OperationStatus.RUNNING)
+    assert queries.sample_wait(store, "me", mine.id)["behind"] == [
         {"kind": "optim_step", "status": "queued", "count": 1}]
-    store.set_operation(mine["id"], OperationStatus.SUCCEEDED, result={})
-    assert queries.sample_wait(store, "me", mine["id"])["ahead"] == 0
+    store.set_operation(mine.id, OperationStatus.SUCCEEDED, result={})
+    assert queries.sample_wait(store, "me", mine.id)["ahead"] == 0
     with pytest.raises(NotFound):
-        queries.sample_wait(store, "someone else", mine["id"])  # another key's request
+        queries.sample_wait(store, "someone else", mine.id)  # another key's request
 
 
 def configured(store: Store, run_id: str, seq_id: int, kind: OperationKind, config: dict) -> None:
     op, _ = store.submit_operation("me", run_id, seq_id, kind, f"d{seq_id}", config=config)
-    store.set_operation(op["id"], OperationStatus.RUNNING)
-    store.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"loss": 1.0, "metrics": {}})
+    store.set_operation(op.id, OperationStatus.RUNNING)
+    store.set_operation(op.id, OperationStatus.SUCCEEDED, result={"loss": 1.0, "metrics": {}})
 
 
 def adam(lr: float, **more) -> dict:
@@ -214,7 +214,7 @@ def test_csv_rows_are_the_points_as_stored(store):
     operation(store, run_id, 3, OperationKind.FORWARD_BACKWARD, OperationStatus.FAILED, error={"code": "x"})
     run_metrics.log_metrics(store, run_id, "me", {"reward/mean": 0.25}, step=1)
     rows = list(curves_csv.rows(store, run_id, page=1))  # a page per point: the paging is exercised too
-    ends = {op["seq_id"]: op["finished_at"] for op in store.list_operations(run_id)}
+    ends = {op.seq_id: op.finished_at for op in store.list_operations(run_id)}
     assert [row[:5] for row in rows] == [
         ("forward_backward", 0, 1, "loss", 12.0), ("forward_backward", 0, 1, "loss:sum", 12.0),
         ("forward_backward", 0, 1, "ratio:mean", 1.5), ("forward_backward", 0, 1, "tokens:sum", 4.0),

@@ -29,11 +29,11 @@ from whitney.service.store.lifecycle import OperationKind, OperationStatus
 def new_package(store: Store, tmp_path: Path, owner: str = "me", name: str = "ckpt") -> dict:
     """A run of a new session with one saved-state package whose directory holds one file."""
     session = store.create_session(owner)
-    run = store.create_run(session["id"], owner, "tiny", {"rank": 4}, None, False, None)
+    run = store.create_run(session.id, owner, "tiny", {"rank": 4}, None, False, None)
     path = tmp_path / f"pkg-{time.monotonic_ns()}"
     path.mkdir()
     (path / "adapter.safetensors").write_bytes(b"weights")
-    return store.register_package(run["id"], owner, "state", name, str(path), "tiny", True)
+    return store.register_package(run.id, owner, "state", name, str(path), "tiny", True)
 
 
 # ---- the store ----------------------------------------------------------------------------------------
@@ -41,35 +41,35 @@ def new_package(store: Store, tmp_path: Path, owner: str = "me", name: str = "ck
 
 def test_an_expired_package_reads_404_and_the_reaper_deletes_files_and_row(store, tmp_path):
     package = new_package(store, tmp_path)
-    packages.settle(store, package["id"], "me", ttl_seconds=1, user_metadata={"step": "7"})
-    kept = store.get_package(package["id"], "me")
-    assert kept["user_metadata"] == {"step": "7"} and kept["expires_at"] > time.time()
+    packages.settle(store, package.id, "me", ttl_seconds=1, user_metadata={"step": "7"})
+    kept = store.get_package(package.id, "me")
+    assert kept.user_metadata == {"step": "7"} and kept.expires_at > time.time()
     assert packages.reap(store) == []  # not yet expired
-    assert packages.reap(store, now=time.time() + 2) == [package["id"]]
+    assert packages.reap(store, now=time.time() + 2) == [package.id]
     with pytest.raises(NotFound):
-        store.get_package(package["id"], "me")
-    assert not Path(package["path"]).exists()
+        store.get_package(package.id, "me")
+    assert not Path(package.path).exists()
     with store.tx() as db:
         assert db.execute(text("SELECT count(*) FROM model_packages")).scalar() == 0
 
 
 def test_the_reaper_waits_for_readers_and_a_reader_never_starts_on_an_expired_package(store, tmp_path):
     package = new_package(store, tmp_path)
-    assert packages.acquire(store, package["path"])  # a load in progress
-    packages.settle(store, package["id"], "me", ttl_seconds=1)
+    assert packages.acquire(store, package.path)  # a load in progress
+    packages.settle(store, package.id, "me", ttl_seconds=1)
     later = time.time() + 2
     assert packages.reap(store, now=later) == [], "deleted under a load in progress"
-    assert Path(package["path"]).exists()
+    assert Path(package.path).exists()
     with pytest.raises(Conflict):
-        packages.remove(store, package["id"], "me")  # a delete waits for the load too
-    packages.release(store, package["path"])
-    assert packages.reap(store, now=later) == [package["id"]]
-    assert not packages.acquire(store, package["path"])  # gone: no new reader
+        packages.remove(store, package.id, "me")  # a delete waits for the load too
+    packages.release(store, package.path)
+    assert packages.reap(store, now=later) == [package.id]
+    assert not packages.acquire(store, package.path)  # gone: no new reader
     other = new_package(store, tmp_path, name="other")
-    packages.settle(store, other["id"], "me", ttl_seconds=1)
+    packages.settle(store, other.id, "me", ttl_seconds=1)
     with store.tx() as db:  # past its expiry, not reaped yet: a reader is refused all the same
-        db.execute(text("UPDATE model_packages SET expires_at = 1 WHERE id = :i"), {"i": other["id"]})
-    assert not packages.acquire(store, other["path"])
+        db.execute(text("UPDATE model_packages SET expires_at = 1 WHERE id = :i"), {"i": other.id})
+    assert not packages.acquire(store, other.path)
 
 
 def test_readers_and_the_reaper_racing_never_both_win(store, tmp_path):
@@ -80,13 +80,13 @@ def test_readers_and_the_reaper_racing_never_both_win(store, tmp_path):
         expires = time.time() + 0.3
         with store.tx() as db:
             db.execute(text("UPDATE model_packages SET expires_at = :e WHERE id = :i"),
-                       {"e": expires, "i": package["id"]})
+                       {"e": expires, "i": package.id})
         acquired, reaped, start = [], [], threading.Barrier(5)
 
         def reader():
             start.wait()
             while time.time() < expires + 0.2:
-                if packages.acquire(store, package["path"]):
+                if packages.acquire(store, package.path):
                     acquired.append(time.time())
                     return
 
@@ -101,79 +101,79 @@ def test_readers_and_the_reaper_racing_never_both_win(store, tmp_path):
         for t in threads:
             t.join()
         assert bool(reaped) != bool(acquired), (reaped, acquired)
-        assert Path(package["path"]).exists() == bool(acquired)
+        assert Path(package.path).exists() == bool(acquired)
 
 
 def test_public_packages_are_readable_by_others_and_writable_only_by_their_owner(store, tmp_path):
     package = new_package(store, tmp_path)
     with pytest.raises(NotFound):
-        store.get_package(package["id"], "you")
-    packages.publish(store, package["id"], "me", True)
+        store.get_package(package.id, "you")
+    packages.publish(store, package.id, "me", True)
     with pytest.raises(Conflict):
-        packages.publish(store, package["id"], "me", True)
-    assert store.get_package(package["id"], "you")["public"] is True
-    assert [p["id"] for p in packages.public_packages(store)] == [package["id"]]
-    for write in (lambda: packages.remove(store, package["id"], "you"),
-                  lambda: packages.settle(store, package["id"], "you", ttl_seconds=5),
-                  lambda: packages.publish(store, package["id"], "you", False)):
+        packages.publish(store, package.id, "me", True)
+    assert store.get_package(package.id, "you").public is True
+    assert [p.id for p in packages.public_packages(store)] == [package.id]
+    for write in (lambda: packages.remove(store, package.id, "you"),
+                  lambda: packages.settle(store, package.id, "you", ttl_seconds=5),
+                  lambda: packages.publish(store, package.id, "you", False)):
         with pytest.raises(NotFound):
             write()
     assert store.list_packages("you") == []  # listed by its owner only
-    packages.publish(store, package["id"], "me", False)
+    packages.publish(store, package.id, "me", False)
     with pytest.raises(NotFound):
-        store.get_package(package["id"], "you")
-    assert packages.readable(store, package["id"], "you", also="me")["id"] == package["id"]  # holds both keys
+        store.get_package(package.id, "you")
+    assert packages.readable(store, package.id, "you", also="me").id == package.id  # holds both keys
 
 
 def test_a_copy_is_hard_linked_and_outlives_its_source(store, tmp_path):
     source = new_package(store, tmp_path)
-    packages.settle(store, source["id"], "me", user_metadata={"note": "x"}, ttl_seconds=100)
+    packages.settle(store, source.id, "me", user_metadata={"note": "x"}, ttl_seconds=100)
     session = store.create_session("you")
-    target = store.create_run(session["id"], "you", "tiny", {"rank": 4}, None, False, None)
-    copy = packages.copy(store, store.get_package(source["id"], "me"), "you", target["id"], ttl_seconds=None)
-    assert copy["owner"] == "you" and copy["kind"] == "state" and copy["name"] == "ckpt"
-    assert copy["user_metadata"] == {"note": "x"} and copy["expires_at"] is None  # expiry is not inherited
-    a, b = Path(source["path"]) / "adapter.safetensors", Path(copy["path"]) / "adapter.safetensors"
+    target = store.create_run(session.id, "you", "tiny", {"rank": 4}, None, False, None)
+    copy = packages.copy(store, store.get_package(source.id, "me"), "you", target.id, ttl_seconds=None)
+    assert copy.owner == "you" and copy.kind == "state" and copy.name == "ckpt"
+    assert copy.user_metadata == {"note": "x"} and copy.expires_at is None  # expiry is not inherited
+    a, b = Path(source.path) / "adapter.safetensors", Path(copy.path) / "adapter.safetensors"
     assert os.stat(a).st_ino == os.stat(b).st_ino  # no bytes duplicated
-    packages.remove(store, source["id"], "me")
-    assert b.read_bytes() == b"weights" and store.get_package(copy["id"], "you")["id"] == copy["id"]
+    packages.remove(store, source.id, "me")
+    assert b.read_bytes() == b"weights" and store.get_package(copy.id, "you").id == copy.id
     with pytest.raises(NotFound):  # only into the caller's own runs
-        packages.copy(store, store.get_package(copy["id"], "you"), "me", target["id"])
+        packages.copy(store, store.get_package(copy.id, "you"), "me", target.id)
 
 
 def test_save_settings_apply_as_the_operation_succeeds_and_readers_release_as_it_ends(store, tmp_path):
     package = new_package(store, tmp_path)
-    op, _ = store.submit_operation("me", package["run_id"], 0, OperationKind.SAVE_STATE, "d")
-    packages.settle_at_end(store, op["id"], 60, {"k": "v"})
-    assert store.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"package": {"id": package["id"]}})
-    done = store.get_operation(op["id"])["result"]["package"]
+    op, _ = store.submit_operation("me", package.run_id, 0, OperationKind.SAVE_STATE, "d")
+    packages.settle_at_end(store, op.id, 60, {"k": "v"})
+    assert store.set_operation(op.id, OperationStatus.SUCCEEDED, result={"package": {"id": package.id}})
+    done = store.get_operation(op.id).result["package"]
     assert done["user_metadata"] == {"k": "v"} and done["expires_at"] > time.time() + 50
-    assert store.get_package(package["id"], "me")["user_metadata"] == {"k": "v"}
-    read, _ = packages.reading(store, package["path"], lambda: store.submit_operation(
-        "me", package["run_id"], 1, OperationKind.LOAD_STATE, "e"))
-    assert store.get_package(package["id"], "me")["readers"] == 1
-    store.cancel_queued(package["run_id"], "test")  # ended without running: released all the same
-    assert store.get_package(package["id"], "me")["readers"] == 0
+    assert store.get_package(package.id, "me").user_metadata == {"k": "v"}
+    read, _ = packages.reading(store, package.path, lambda: store.submit_operation(
+        "me", package.run_id, 1, OperationKind.LOAD_STATE, "e"))
+    assert store.get_package(package.id, "me").readers == 1
+    store.cancel_queued(package.run_id, "test")  # ended without running: released all the same
+    assert store.get_package(package.id, "me").readers == 0
     with pytest.raises(packages.InvalidInput):
         packages.settle_at_end(store, "op-x", 0, None)
 
 
 def test_session_labels_are_stored_and_filter(store):
     a = store.create_session("me")
-    projects.label(store, a["id"], "me", tags=["nightly", "gpu"], project_id="p1", display_name="Nightly SFT run")
+    projects.label(store, a.id, "me", tags=["nightly", "gpu"], project_id="p1", display_name="Nightly SFT run")
     b = store.create_session("me")
-    projects.label(store, b["id"], "me", tags=["nightly"], project_id="p2", display_name="eval")
+    projects.label(store, b.id, "me", tags=["nightly"], project_id="p2", display_name="eval")
     store.create_session("you")
-    ids = lambda **f: [s["id"] for s in projects.find_sessions(store, "me", **f)]  # noqa: E731
-    assert ids() == [b["id"], a["id"]]  # newest first
-    assert ids(tags=["nightly"]) == [b["id"], a["id"]] and ids(tags=["nightly", "gpu"]) == [a["id"]]
-    assert ids(project_ids=["p2"]) == [b["id"]] and ids(display_name="sft NIGHTLY") == [a["id"]]
-    assert ids(display_name="eval", session_id=a["id"]) == [b["id"], a["id"]]  # either matches
+    ids = lambda **f: [s.id for s in projects.find_sessions(store, "me", **f)]  # noqa: E731
+    assert ids() == [b.id, a.id]  # newest first
+    assert ids(tags=["nightly"]) == [b.id, a.id] and ids(tags=["nightly", "gpu"]) == [a.id]
+    assert ids(project_ids=["p2"]) == [b.id] and ids(display_name="sft NIGHTLY") == [a.id]
+    assert ids(display_name="eval", session_id=a.id) == [b.id, a.id]  # either matches
     assert ids(statuses=["closed"]) == []
     with pytest.raises(packages.InvalidInput):
-        projects.label(store, a["id"], "me", tags=[""])
+        projects.label(store, a.id, "me", tags=[""])
     with pytest.raises(NotFound):
-        projects.label(store, a["id"], "you", project_id="p")
+        projects.label(store, a.id, "you", project_id="p")
 
 
 def test_a_database_of_the_previous_schema_is_migrated(db_url, tmp_path):
@@ -199,11 +199,10 @@ def test_a_database_of_the_previous_schema_is_migrated(db_url, tmp_path):
     old.engine.dispose()
     store = Store(db_url)
     package = store.get_package("pkg-old", "me")
-    assert (package["readers"], package["public"], package["expires_at"], package["user_metadata"]) == (0, False,
-                                                                                                        None, None)
-    assert packages.acquire(store, package["path"]) and packages.reap(store, now=time.time() + 10**9) == []
-    assert projects.label(store, "ses-old", "me", tags=["t"], project_id="p")["project_id"] == "p"
-    assert [s["id"] for s in projects.find_sessions(store, "me", project_ids=["p"])] == ["ses-old"]
+    assert (package.readers, package.public, package.expires_at, package.user_metadata) == (0, False, None, None)
+    assert packages.acquire(store, package.path) and packages.reap(store, now=time.time() + 10**9) == []
+    assert projects.label(store, "ses-old", "me", tags=["t"], project_id="p").project_id == "p"
+    assert [s.id for s in projects.find_sessions(store, "me", project_ids=["p"])] == ["ses-old"]
     assert "ix_operations_owner_status" in {i["name"] for i in inspect(store.engine).get_indexes("operations")}
     Store(db_url)  # opening it again changes nothing
 
@@ -379,5 +378,5 @@ def test_sessions_labels_filters_trace_audit_and_whoami(make_server):
     assert all(e["tid"] == rid and e["dur"] >= 0 for e in trace["traceEvents"])
     audit = expect(http.get("/v1/audit", params={"since": ops[0]["created_at"]}), 200)
     assert [o["operation_id"] for o in audit] == [o["operation_id"] for o in ops]
-    assert expect(http.get("/v1/whoami"), 200) == {"key_id": row["id"], "name": "alice",
+    assert expect(http.get("/v1/whoami"), 200) == {"key_id": row.id, "name": "alice",
                                                     "owner": digest_of(key)[:32]}

@@ -22,13 +22,13 @@ def store(tmp_path) -> Store:
 def test_a_loss_belongs_to_its_key_and_resolves_to_its_definition(store):
     spec = definition(clipped_is, RANKS)
     row = custom_losses.create(store, "alice", spec, compile_loss)
-    assert custom_losses.resolve(store, "alice", "custom", {"loss_id": row["id"]}) == spec
+    assert custom_losses.resolve(store, "alice", "custom", {"loss_id": row.id}) == spec
     assert custom_losses.resolve(store, "alice", "ppo", {"clip_low": 0.1}) == {"clip_low": 0.1}  # not custom
     with pytest.raises(NotFound):
-        custom_losses.resolve(store, "bob", "custom", {"loss_id": row["id"]})
-    assert [r["id"] for r in custom_losses.list_for(store, "alice")] == [row["id"]]
+        custom_losses.resolve(store, "bob", "custom", {"loss_id": row.id})
+    assert [r.id for r in custom_losses.list_for(store, "alice")] == [row.id]
     assert custom_losses.list_for(store, "bob") == []
-    for bad in ({}, {"loss_id": row["id"], "clip": 1.0}, spec):
+    for bad in ({}, {"loss_id": row.id, "clip": 1.0}, spec):
         with pytest.raises(InvalidInput) as e:
             custom_losses.resolve(store, "alice", "custom", bad)
         assert e.value.field == "loss_config"

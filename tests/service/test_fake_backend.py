@@ -23,6 +23,7 @@ from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleRes
 from whitney.service.scheduling.jobs import ForwardJob, OptimJob, SaveJob
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.store.database import Store, digest
+from whitney.service.store.records import OperationRecord
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 POISON = 666  # a prompt or datum token the fake refuses
@@ -179,11 +180,10 @@ def scheduler_over(backend, tmp_path, max_batch_tokens: int):
     session = store.create_session("me")
 
     def open_run(run_id: str) -> None:
-        scheduler.open_run({"id": run_id, "base_model": "fake", "lora": {"rank": 4}, "resume_with_optimizer": False},
-                           None).result(timeout=10)
-        store.create_run(session["id"], "me", "fake", {"rank": 4}, None, False, None, run_id=run_id)
+        scheduler.open_run(run_id, "fake", {"rank": 4}).result(timeout=10)
+        store.create_run(session.id, "me", "fake", {"rank": 4}, None, False, None, run_id=run_id)
 
-    def submit(run_id: str, seq_id: int, kind: str, job) -> dict:
+    def submit(run_id: str, seq_id: int, kind: str, job) -> OperationRecord:
         op, _ = store.submit_operation("me", run_id, seq_id, kind, digest({"run": run_id, "seq": seq_id}))
         scheduler.submit(op, job)
         return op
@@ -196,10 +196,10 @@ def fb(*lengths: int, token: int = 1) -> ForwardJob:
                       list(lengths))
 
 
-def wait(store: Store, op: dict) -> dict:
+def wait(store: Store, op: OperationRecord) -> OperationRecord:
     deadline = time.monotonic() + 20
-    while (got := store.get_operation(op["id"]))["status"] not in TERMINAL:
-        assert time.monotonic() < deadline, f"{op['kind']} never ended"
+    while (got := store.get_operation(op.id)).status not in TERMINAL:
+        assert time.monotonic() < deadline, f"{op.kind} never ended"
         time.sleep(0.005)
     return got
 
@@ -222,12 +222,12 @@ def test_seq_id_order_and_cross_run_batches(fake):
         ops = [submit("a", 2, "optim_step", OptimJob(AdamParams())), submit("a", 1, "forward_backward", fb(2)),
                submit("a", 0, "forward_backward", fb(3)), submit("b", 0, "forward_backward", fb(4))]
     done = [wait(scheduler.store, op) for op in ops]
-    assert [op["status"] for op in done] == ["succeeded"] * 4
+    assert [op.status for op in done] == ["succeeded"] * 4
     batches = [c[1] for c in backend.calls if c[0] == "run_batch"]
     assert sorted(batches[0]) == [("a", 1, None), ("b", 1, None)], "seq 0 of both runs in one call"
     assert batches[1] == [("a", 1, None)]
-    assert done[0]["result"]["metrics"]["grad_norm"] == 5.0  # optim_step saw both of a's operations
-    assert done[2]["result"]["loss"] == 3.0 and done[3]["result"]["loss"] == 4.0
+    assert done[0].result["metrics"]["grad_norm"] == 5.0  # optim_step saw both of a's operations
+    assert done[2].result["loss"] == 3.0 and done[3].result["loss"] == 4.0
 
 
 def test_an_optim_step_behind_a_forward_backward_runs_before_the_next_engine_call(fake):
@@ -239,7 +239,7 @@ def test_an_optim_step_behind_a_forward_backward_runs_before_the_next_engine_cal
     with scheduler._lock:
         ops = [submit("a", 0, "forward_backward", fb(2)), submit("a", 1, "optim_step", OptimJob(AdamParams())),
                submit("b", 0, "forward_backward", fb(3)), submit("b", 1, "forward_backward", fb(4))]
-    assert [wait(scheduler.store, op)["status"] for op in ops] == ["succeeded"] * 4
+    assert [wait(scheduler.store, op).status for op in ops] == ["succeeded"] * 4
     order = [c[0] if c[0] != "run_batch" else sorted(r for r, *_ in c[1]) for c in backend.calls
              if c[0] in ("run_batch", "optim_step")]
     assert order == [["a", "b"], "optim_step", ["b"]], order
@@ -252,26 +252,26 @@ def test_an_engine_calls_ends_are_stored_with_the_optim_steps_it_made_ready(fake
     open_run("a")
     seen = []
     steps = backend.optim_steps
-    monkeypatch.setattr(backend, "optim_steps", lambda s: (seen.append(scheduler.store.get_operation(ops[0]["id"])),
+    monkeypatch.setattr(backend, "optim_steps", lambda s: (seen.append(scheduler.store.get_operation(ops[0].id)),
                                                            steps(s))[1])
     with scheduler._lock:
         ops = [submit("a", 0, "forward_backward", fb(2)), submit("a", 1, "optim_step", OptimJob(AdamParams()))]
     done = [wait(scheduler.store, op) for op in ops]
-    assert [op["status"] for op in done] == ["succeeded"] * 2
-    assert [op["status"] for op in seen] == ["running"], "the forward_backward's end waited for the optim_step"
-    assert done[0]["started_at"] <= done[0]["finished_at"] <= done[1]["started_at"] <= done[1]["finished_at"]
+    assert [op.status for op in done] == ["succeeded"] * 2
+    assert [op.status for op in seen] == ["running"], "the forward_backward's end waited for the optim_step"
+    assert done[0].started_at <= done[0].finished_at <= done[1].started_at <= done[1].finished_at
 
 
 def test_large_operation_in_micro_batches_with_a_staged_gradient(fake):
     backend, scheduler, open_run, submit = fake
     open_run("a")
     op = wait(scheduler.store, submit("a", 0, "forward_backward", fb(4, 4, 4, 4, 4)))  # 20 tokens, budget 10
-    assert op["status"] == "succeeded" and op["result"]["loss"] == 20.0
-    assert op["result"]["metrics"] == {"loss:sum": 20.0, "tokens:sum": 20.0}
-    assert len(op["result"]["outputs"]) == 5
+    assert op.status == "succeeded" and op.result["loss"] == 20.0
+    assert op.result["metrics"] == {"loss:sum": 20.0, "tokens:sum": 20.0}
+    assert len(op.result["outputs"]) == 5
     parts = [c[1][0] for c in backend.calls if c[0] == "run_batch"]
-    assert [n for _, n, _ in parts] == [2, 2, 1] and all(stage == op["id"] for _, _, stage in parts)
-    assert ("commit", "a", op["id"]) in backend.calls and backend.grads["a"] == 20.0
+    assert [n for _, n, _ in parts] == [2, 2, 1] and all(stage == op.id for _, _, stage in parts)
+    assert ("commit", "a", op.id) in backend.calls and backend.grads["a"] == 20.0
 
 
 def test_a_refused_micro_batch_discards_and_names_the_datum(fake):
@@ -280,8 +280,8 @@ def test_a_refused_micro_batch_discards_and_names_the_datum(fake):
     job = fb(4, 4, 4, 4)
     job.data[3].token_ids[0] = 666  # refused in the second micro-batch, as datum 1 of it
     op = wait(scheduler.store, submit("a", 0, "forward_backward", job))
-    assert op["status"] == "failed" and op["error"]["datum_index"] == 3 and op["error"]["category"] == "user"
-    assert ("discard", "a", op["id"]) in backend.calls and backend.grads["a"] == 0.0 and not backend.staged
+    assert op.status == "failed" and op.error["datum_index"] == 3 and op.error["category"] == "user"
+    assert ("discard", "a", op.id) in backend.calls and backend.grads["a"] == 0.0 and not backend.staged
 
 
 def test_sampling_by_request_id_with_one_failure(fake):
@@ -293,9 +293,9 @@ def test_sampling_by_request_id_with_one_failure(fake):
         scheduler.submit_sample(op, prompt, SamplingParams(max_tokens=3), Weights(base_model="fake"))
         ops.append(op)
     good, bad, other = (wait(store, op) for op in ops)
-    assert bad["status"] == "failed" and bad["error"]["field"] == "prompt"
+    assert bad.status == "failed" and bad.error["field"] == "prompt"
     for op in (good, other):
-        assert op["status"] == "succeeded" and op["result"]["sequences"][0]["tokens"] == [0, 1, 2]
+        assert op.status == "succeeded" and op.result["sequences"][0]["tokens"] == [0, 1, 2]
 
 
 def test_a_streaming_sample_reports_each_token_before_it_ends(fake):
@@ -316,8 +316,8 @@ def test_a_streaming_sample_reports_each_token_before_it_ends(fake):
                 return seen
 
     assert asyncio.run(drain()) == [0, 1, 2, 3]  # the fifth ends the request: it is in the result only
-    assert wait(scheduler.store, op)["result"]["sequences"][0]["tokens"] == [0, 1, 2, 3, 4]
-    assert op["id"] not in scheduler.ends.streams
+    assert wait(scheduler.store, op).result["sequences"][0]["tokens"] == [0, 1, 2, 3, 4]
+    assert op.id not in scheduler.ends.streams
 
 
 def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):
@@ -325,11 +325,11 @@ def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):
     open_run("a")
     backend.broken = True
     op = wait(scheduler.store, submit("a", 0, "forward_backward", fb(2)))
-    assert op["status"] == "failed" and op["error"]["category"] == "server" and op["error"]["code"] == "internal"
+    assert op.status == "failed" and op.error["category"] == "server" and op.error["code"] == "internal"
     backend.broken = False
-    assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2)))["status"] == "succeeded"
+    assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2))).status == "succeeded"
     saved = wait(scheduler.store, submit("a", 2, "save_state", SaveJob("s")))
-    assert saved["status"] == "succeeded" and saved["result"]["package"]["name"] == "s"
+    assert saved.status == "succeeded" and saved.result["package"]["name"] == "s"
 
 
 def test_a_bug_while_ending_one_operation_fails_it_alone_and_the_worker_goes_on(fake):
@@ -342,11 +342,11 @@ def test_a_bug_while_ending_one_operation_fails_it_alone_and_the_worker_goes_on(
     bad = submit("a", 0, "forward_backward", fb(4, 4, 4))  # 12 tokens, budget 10: staged, then committed
     good = submit("b", 0, "forward_backward", fb(2))
     bad, good = wait(scheduler.store, bad), wait(scheduler.store, good)
-    assert bad["status"] == "failed" and bad["error"]["category"] == "server", bad
-    assert good["status"] == "succeeded" and backend.grads["b"] == 2.0
-    assert ("discard", "a", bad["id"]) in backend.calls and not backend.staged, "the staged gradient is dropped"
+    assert bad.status == "failed" and bad.error["category"] == "server", bad
+    assert good.status == "succeeded" and backend.grads["b"] == 2.0
+    assert ("discard", "a", bad.id) in backend.calls and not backend.staged, "the staged gradient is dropped"
     backend.broken_commits.clear()
-    assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2)))["status"] == "succeeded"
+    assert wait(scheduler.store, submit("a", 1, "forward_backward", fb(2))).status == "succeeded"
     assert backend.grads["a"] == 2.0
 
 
@@ -365,11 +365,11 @@ def test_a_lost_run_is_interrupted_and_its_waiting_operations_fail(fake):
         waiting = submit("a", 1, "optim_step", OptimJob(AdamParams()))
         backend.lost.append("a")
     failed = wait(store, waiting)
-    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_lost"
-    assert failed["error"]["category"] == "server"
+    assert failed.status == "failed" and failed.error["code"] == "worker_lost"
+    assert failed.error["category"] == "server"
     deadline = time.monotonic() + 10
-    while store.get_run("a")["status"] != "interrupted":
+    while store.get_run("a").status != "interrupted":
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert "resume" in store.get_run("a")["error"]
-    assert wait(store, submit("b", 0, "forward_backward", fb(2)))["status"] == "succeeded", "other runs go on"
+    assert "resume" in store.get_run("a").error
+    assert wait(store, submit("b", 0, "forward_backward", fb(2))).status == "succeeded", "other runs go on"

@@ -221,7 +221,7 @@ def test_a_keys_owner_is_its_digest_as_before(make_server, capsys):
     with server.http(KEY) as http:
         sid = session(http)
     store = server.app.state.whitney.store
-    assert store.get_session(sid, hashlib.sha256(KEY.encode()).hexdigest()[:32])["id"] == sid
+    assert store.get_session(sid, hashlib.sha256(KEY.encode()).hexdigest()[:32]).id == sid
     made = create_key(capsys, server)
     with server.http(made) as http:
         assert http.get(f"/v1/sessions/{sid}").status_code == 404  # another key, another owner

@@ -324,21 +324,21 @@ def test_the_listing_queries_read_the_newest_live_versions_on_each_database(stor
     def save(owner: str, run_id: str, seq: int, version: int) -> str:
         op, _ = store.submit_operation(owner, run_id, seq, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER, f"d{seq}")
         package = store.register_package(run_id, owner, "sampler", str(version), "/p", "m", False)
-        store.set_operation(op["id"], OperationStatus.RUNNING)
-        store.set_operation(op["id"], OperationStatus.SUCCEEDED, {"version": version, "package": {"id": package["id"]}})
-        return package["id"]
+        store.set_operation(op.id, OperationStatus.RUNNING)
+        store.set_operation(op.id, OperationStatus.SUCCEEDED, {"version": version, "package": {"id": package.id}})
+        return package.id
 
     runs = {}
     for owner in ("alice", "bob"):
-        session = store.create_session(owner)["id"]
+        session = store.create_session(owner).id
         for k in ("ended", "open"):
-            runs[owner, k] = store.create_run(session, owner, "m", {}, None, False, None)["id"]
+            runs[owner, k] = store.create_run(session, owner, "m", {}, None, False, None).id
     packages = {(k, v): save("alice", runs["alice", k], v - 1, v) for k in ("ended", "open") for v in (1, 2)}
     save("bob", runs["bob", "open"], 0, 1)
     for k in ("ended", "open"):
         store.delete_package(packages[k, 1], "alice")
     assert store.set_run_status(runs["alice", "ended"], RunStatus.FINISHED)
-    state = store.register_package(runs["alice", "open"], "alice", "state", "s", "/p", "m", True)["id"]
+    state = store.register_package(runs["alice", "open"], "alice", "state", "s", "/p", "m", True).id
     store.register_package(runs["alice", "open"], "alice", "lora", "export", "/p", "m", False)
 
     got = [(v["run_id"], v["version"]) for v in store.newest_sampler_versions("alice", 10)]

@@ -24,13 +24,13 @@ KEY_A, KEY_B = "tml-metrics-key-a", "tml-metrics-key-b"
 
 def new_run(store: Store, owner: str = "me") -> str:
     session = store.create_session(owner)
-    return store.create_run(session["id"], owner, "tiny", {"rank": 4}, None, False, None)["id"]
+    return store.create_run(session.id, owner, "tiny", {"rank": 4}, None, False, None).id
 
 
 def optim_step(store: Store, run_id: str, seq_id: int, step: int) -> None:
     op, _ = store.submit_operation("me", run_id, seq_id, OperationKind.OPTIM_STEP, f"d{seq_id}")
-    store.set_operation(op["id"], OperationStatus.RUNNING)
-    store.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"metrics": {"step": float(step),
+    store.set_operation(op.id, OperationStatus.RUNNING)
+    store.set_operation(op.id, OperationStatus.SUCCEEDED, result={"metrics": {"step": float(step),
                                                                                  "grad_norm": 1.0}})
 
 
@@ -135,14 +135,15 @@ def test_concurrent_writers_of_one_point_leave_one(store):
     assert len(series) == 5
 
 
-def test_table_created_on_a_store_opened_before(store):
-    """A store whose database lacks the table (opened by a version without it) gets it on first use."""
+def test_table_created_on_a_database_made_before_it(store):
+    """A database that lacks the table (made by a version without it) gets it when the store opens it."""
     with store.engine.begin() as conn:
         conn.execute(text("DROP TABLE run_metrics"))
-    run_metrics._ready.discard(store.engine)
-    run_id = new_run(store)
-    run_metrics.log_metrics(store, run_id, "me", {"reward": 1.5}, step=1)
-    assert run_metrics.metric_series(store, run_id, "me") == {"reward": {"steps": [1], "values": [1.5]}}
+    reopened = Store(store.engine.url.render_as_string(hide_password=False))
+    run_id = new_run(reopened)
+    run_metrics.log_metrics(reopened, run_id, "me", {"reward": 1.5}, step=1)
+    assert run_metrics.metric_series(reopened, run_id, "me") == {"reward": {"steps": [1], "values": [1.5]}}
+    reopened.engine.dispose()
 
 
 # ---- the routes, over HTTP ---------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def test_older_database_gets_the_table_and_the_operations_column(db_url):
     assert len(run_samples.list_samples(store, run_id, "me")) == 2
     op, _ = store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d0",
                                    config={"adam_params": {"learning_rate": 1e-3}})
-    assert store.get_operation(op["id"])["config"] == {"adam_params": {"learning_rate": 1e-3}}
+    assert store.get_operation(op.id).config == {"adam_params": {"learning_rate": 1e-3}}
 
 
 # ---- the routes, over HTTP ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from whitney.service.scheduling.jobs import ForwardJob, OptimJob
 from whitney.service.scheduling.limits import plan_micro_batches
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.store.database import Store, digest
+from whitney.service.store.records import OperationRecord
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -76,11 +77,10 @@ def worker(tmp_path, tiny_llama):
 
     def open_run(run_id: str, seed: int) -> None:
         lora = dataclasses.asdict(LoraConfig(rank=4, seed=seed))
-        scheduler.open_run({"id": run_id, "base_model": tiny_llama, "lora": lora, "resume_with_optimizer": False},
-                           None).result(timeout=60)
-        store.create_run(session["id"], "me", tiny_llama, {}, None, False, None, run_id=run_id)
+        scheduler.open_run(run_id, tiny_llama, lora).result(timeout=60)
+        store.create_run(session.id, "me", tiny_llama, {}, None, False, None, run_id=run_id)
 
-    def submit(run_id: str, seq_id: int, kind: str, job) -> dict:
+    def submit(run_id: str, seq_id: int, kind: str, job) -> OperationRecord:
         op, _ = store.submit_operation("me", run_id, seq_id, kind, digest({"seq": seq_id, "run": run_id}))
         scheduler.submit(op, job)
         return op
@@ -89,11 +89,11 @@ def worker(tmp_path, tiny_llama):
     scheduler.stop()
 
 
-def wait(store: Store, op_id: str, timeout: float = 120.0) -> dict:
+def wait(store: Store, op_id: str, timeout: float = 120.0) -> OperationRecord:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         op = store.get_operation(op_id)
-        if op["status"] in TERMINAL:
+        if op.status in TERMINAL:
             return op
         time.sleep(0.01)
     raise AssertionError(f"operation {op_id} did not end")
@@ -124,21 +124,21 @@ def test_large_operation_runs_in_micro_batches_equal_to_one_pass(worker, tiny_ll
         or real(requests, backward)
     big = submit("big", 0, "forward_backward", fb_payload(data))
     small = [submit("small", i, "forward_backward", fb_payload(datums(10 + i, [6]))) for i in range(3)]
-    big_done = wait(store, big["id"])
-    small_done = [wait(store, op["id"]) for op in small]
+    big_done = wait(store, big.id)
+    small_done = [wait(store, op.id) for op in small]
 
-    assert big_done["status"] == "succeeded", big_done["error"]
-    assert all(op["status"] == "succeeded" for op in small_done)
+    assert big_done.status == "succeeded", big_done.error
+    assert all(op.status == "succeeded" for op in small_done)
     big_calls = [n for call in calls for run, n in call if run == "big"]
     assert sum(big_calls) == 12 and len(big_calls) >= 4 and max(big_calls) <= 3
     # The small run's operations did not wait for the whole large one.
-    assert small_done[0]["finished_at"] < big_done["finished_at"]
+    assert small_done[0].finished_at < big_done.finished_at
     # Equal to one pass: a fresh engine, the same run, the whole batch at once.
     reference = Engine()
     reference.models.update(engine.models)
     reference.create_run("big", tiny_llama, LoraConfig(rank=4, seed=1))
     want = reference.forward_backward("big", data)
-    got = big_done["result"]
+    got = big_done.result
     assert got["loss"] == pytest.approx(want.loss, rel=1e-5)
     assert got["metrics"] == pytest.approx(want.metrics, rel=1e-5)
     for o, w in zip(got["outputs"], want.outputs):
@@ -159,9 +159,9 @@ def test_failed_micro_batch_adds_no_gradient_and_names_the_whole_operations_datu
     open_run("r", seed=3)
     data = datums(1, [20] * 6)
     data[4].loss_inputs["target_tokens"] = data[4].loss_inputs["target_tokens"][:-1]  # refused by the engine
-    op = wait(scheduler.store, submit("r", 0, "forward_backward", fb_payload(data))["id"])
-    assert op["status"] == "failed" and op["error"]["datum_index"] == 4, op["error"]
-    assert op["error"]["category"] == "user"
+    op = wait(scheduler.store, submit("r", 0, "forward_backward", fb_payload(data)).id)
+    assert op.status == "failed" and op.error["datum_index"] == 4, op.error
+    assert op.error["category"] == "user"
     assert not scheduler.backend.engine.runs["r"].grads and not scheduler.backend.engine.runs["r"].staged
 
 
@@ -171,11 +171,11 @@ def test_cancel_during_micro_batches(worker):
     op = submit("r", 0, "forward_backward", fb_payload(datums(2, [30] * 40)))  # 20 engine calls
     after = submit("r", 1, "optim_step", OptimJob(AdamParams()))
     deadline = time.monotonic() + 60
-    while scheduler.store.get_operation(op["id"])["status"] != "running" and time.monotonic() < deadline:
+    while scheduler.store.get_operation(op.id).status != "running" and time.monotonic() < deadline:
         time.sleep(0.005)
     scheduler.cancel_run("r", "cancelled by the test")
-    assert wait(scheduler.store, op["id"], timeout=30)["status"] == "cancelled"
-    assert wait(scheduler.store, after["id"], timeout=30)["status"] == "cancelled"
+    assert wait(scheduler.store, op.id, timeout=30).status == "cancelled"
+    assert wait(scheduler.store, after.id, timeout=30).status == "cancelled"
 
 
 def test_compute_logprobs_in_chunks_equals_one_call(worker, tiny_llama):
@@ -185,7 +185,7 @@ def test_compute_logprobs_in_chunks_equals_one_call(worker, tiny_llama):
     sequences = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (30, 1, 45, 12, 50, 7)]
     op, _ = store.submit_operation("me", None, None, "compute_logprobs", "")
     scheduler.submit_logprobs(op, sequences, Weights(base_model=tiny_llama))
-    got = wait(store, op["id"])["result"]["logprobs"]
+    got = wait(store, op.id).result["logprobs"]
     want = scheduler.call(lambda: scheduler.backend.engine.compute_logprobs(sequences, base_model=tiny_llama)).result(60)
     assert [len(x) for x in got] == [len(s) for s in sequences]
     for a, b in zip(got, want):

@@ -16,21 +16,21 @@ from whitney.service.store.lifecycle import (OPERATION_MOVES, OPERATION_PENDING,
 def new_run(store: Store, owner: str = "me", status: RunStatus = RunStatus.ACTIVE) -> str:
     """A run of a new session, moved to `status` in one step (every status is one move from active)."""
     session = store.create_session(owner)
-    run = store.create_run(session["id"], owner, "tiny", {"rank": 4}, None, False, None)
+    run = store.create_run(session.id, owner, "tiny", {"rank": 4}, None, False, None)
     if status != RunStatus.ACTIVE:
-        assert store.set_run_status(run["id"], status)
-    return run["id"]
+        assert store.set_run_status(run.id, status)
+    return run.id
 
 
 def new_operation(store: Store, status: OperationStatus = OperationStatus.QUEUED) -> str:
     """A sampling operation (no run), moved to `status` through running."""
     op, created = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
-    assert created and op["status"] == OperationStatus.QUEUED
+    assert created and op.status == OperationStatus.QUEUED
     if status != OperationStatus.QUEUED:
         if status != OperationStatus.RUNNING:
-            assert store.set_operation(op["id"], OperationStatus.RUNNING)
-        assert store.set_operation(op["id"], status)
-    return op["id"]
+            assert store.set_operation(op.id, OperationStatus.RUNNING)
+        assert store.set_operation(op.id, status)
+    return op.id
 
 
 # ---- the tables ----------------------------------------------------------------------------------
@@ -57,14 +57,14 @@ def test_enums_equal_their_strings_in_the_database(store):
             ("finishing",)
         assert tuple(raw.execute(text("SELECT kind, status FROM operations WHERE id = :id"), {"id": op_id}).one()) == \
             ("sample", "running")
-    assert type(store.get_run(run_id)["status"]) is str  # rows read back as plain strings
+    assert type(store.get_run(run_id).status) is RunStatus  # records read back as the enum (equal to its string)
 
 
 @pytest.mark.parametrize("frm,to", [(f, t) for f, moves in RUN_MOVES.items() for t in moves])
 def test_every_allowed_run_move_works(store, frm, to):
     run_id = new_run(store, status=frm)
     assert store.set_run_status(run_id, to), f"{frm} -> {to} is listed but refused"
-    assert store.get_run(run_id)["status"] == to
+    assert store.get_run(run_id).status == to
 
 
 @pytest.mark.parametrize("frm,to", [(f, t) for f in RunStatus for t in RunStatus if t not in RUN_MOVES[f]])
@@ -72,7 +72,7 @@ def test_every_other_run_move_is_refused_and_changes_nothing(store, frm, to):
     run_id = new_run(store, status=frm)
     assert not store.set_run_status(run_id, to, error="should not be written")
     run = store.get_run(run_id)
-    assert run["status"] == frm and run["error"] is None
+    assert run.status == frm and run.error is None
 
 
 def test_run_moves_race_like_the_routes_do(store):
@@ -83,13 +83,13 @@ def test_run_moves_race_like_the_routes_do(store):
     assert store.set_run_status(run_id, RunStatus.CANCELLING)
     assert store.set_run_status(run_id, RunStatus.CANCELLED)
     assert not store.set_run_status(run_id, RunStatus.FINISHED), "the drained finish lost the race"
-    assert store.get_run(run_id)["status"] == RunStatus.CANCELLED
+    assert store.get_run(run_id).status == RunStatus.CANCELLED
 
 
 def test_run_status_error_unknown_run_and_unknown_status(store):
     run_id = new_run(store)
     assert store.set_run_status(run_id, RunStatus.FAILED, error="worker lost")
-    assert store.get_run(run_id)["error"] == "worker lost"
+    assert store.get_run(run_id).error == "worker lost"
     assert not store.set_run_status("run-nope", RunStatus.CANCELLED)
     with pytest.raises(ValueError):
         store.set_run_status(run_id, "paused")
@@ -105,20 +105,20 @@ def test_operation_moves_follow_the_table(store, frm, to):
     if not moved:
         assert op == before
         return
-    assert op["status"] == to
+    assert op.status == to
     if to == OperationStatus.RUNNING:
-        assert op["started_at"] is not None and op["finished_at"] is None
+        assert op.started_at is not None and op.finished_at is None
     if to in OPERATION_TERMINAL:
-        assert op["finished_at"] is not None and op["result"] == {"x": 1}
+        assert op.finished_at is not None and op.result == {"x": 1}
 
 
 def test_sessions_end_once(store):
     session = store.create_session("me")
-    assert store.end_session(session["id"], SessionStatus.CLOSED)
-    assert not store.end_session(session["id"], SessionStatus.EXPIRED)
-    assert store.get_session(session["id"], "me")["status"] == SessionStatus.CLOSED
+    assert store.end_session(session.id, SessionStatus.CLOSED)
+    assert not store.end_session(session.id, SessionStatus.EXPIRED)
+    assert store.get_session(session.id, "me").status == SessionStatus.CLOSED
     with pytest.raises(Conflict):
-        store.heartbeat(session["id"], "me")
+        store.heartbeat(session.id, "me")
 
 
 # ---- submitting an operation -----------------------------------------------------------------------
@@ -127,15 +127,15 @@ def test_sessions_end_once(store):
 def test_same_body_is_the_same_operation_and_a_different_one_a_conflict(store):
     run_id = new_run(store)
     op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD_BACKWARD, "d0")
-    assert created and op["status"] == OperationStatus.QUEUED and op["seq_id"] == 0
+    assert created and op.status == OperationStatus.QUEUED and op.seq_id == 0
     again, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD_BACKWARD, "d0")
-    assert not created and again["id"] == op["id"]
+    assert not created and again.id == op.id
     with pytest.raises(Conflict) as e:
         store.submit_operation("me", run_id, 0, OperationKind.FORWARD_BACKWARD, "d1")
     assert e.value.field == "seq_id" and "already used for a different forward_backward request" in e.value.message
     with pytest.raises(Conflict):  # same digest, other kind
         store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d0")
-    assert [o["id"] for o in store.list_operations(run_id)] == [op["id"]]
+    assert [o.id for o in store.list_operations(run_id)] == [op.id]
 
 
 def test_unknown_or_foreign_run_is_not_found(store):
@@ -153,7 +153,7 @@ def test_a_run_that_is_not_active_answers_retries_only(store, status):
     op, _ = store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d0")
     assert store.set_run_status(run_id, status)
     again, created = store.submit_operation("me", run_id, 0, OperationKind.OPTIM_STEP, "d0")
-    assert not created and again["id"] == op["id"]
+    assert not created and again.id == op.id
     with pytest.raises(Conflict) as e:
         store.submit_operation("me", run_id, 1, OperationKind.OPTIM_STEP, "d1")
     assert e.value.field == "run_id"
@@ -194,7 +194,7 @@ def test_pending_before_counts_the_owners_queued_and_running_unless_a_later_seq_
     and sampling ones of another owner not), or None when a later seq_id of the run is queued already."""
     run_id, other = new_run(store), new_run(store, owner="you")
     assert store.pending_before("me", run_id, 0) == 0 and store.pending_before("me", None, None) == 0
-    ops = [store.submit_operation("me", run_id, seq, OperationKind.FORWARD, f"d{seq}")[0]["id"] for seq in (0, 1)]
+    ops = [store.submit_operation("me", run_id, seq, OperationKind.FORWARD, f"d{seq}")[0].id for seq in (0, 1)]
     store.submit_operation("you", other, 0, OperationKind.FORWARD, "d")
     new_operation(store)  # a sampling one of "me", queued
     assert store.pending_before("me", run_id, 2) == 3 and store.pending_before("me", None, None) == 3
@@ -267,7 +267,7 @@ def test_a_racing_duplicate_resolves_through_the_constraint(store):
                                                            body_digest)[0])
 
     op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=race("d0"))
-    assert not created and op["id"] == first[0]["id"]
+    assert not created and op.id == first[0].id
     with pytest.raises(Conflict):
         store.submit_operation("me", run_id, 1, OperationKind.FORWARD, "d1", admit=race("other"))
     assert len(store.list_operations(run_id)) == 2
@@ -289,9 +289,9 @@ def test_concurrent_writers_keep_run_seq_unique_and_lose_nothing(store, db_url):
         try:
             for seq in range(10):
                 op, _ = mine.submit_operation("me", run_id, seq, OperationKind.FORWARD, f"body-{seq}")
-                answers.setdefault(seq, set()).add(op["id"])
-                if mine.set_operation(op["id"], OperationStatus.RUNNING):  # one writer wins each move
-                    assert mine.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"loss": float(seq)})
+                answers.setdefault(seq, set()).add(op.id)
+                if mine.set_operation(op.id, OperationStatus.RUNNING):  # one writer wins each move
+                    assert mine.set_operation(op.id, OperationStatus.SUCCEEDED, result={"loss": float(seq)})
         except Exception as e:  # noqa: BLE001 (any failure is the bug)
             errors.append(repr(e))
 
@@ -303,15 +303,15 @@ def test_concurrent_writers_keep_run_seq_unique_and_lose_nothing(store, db_url):
     assert not errors, errors[:3]
     assert all(len(ids) == 1 for ids in answers.values()) and len(answers) == 10
     stored = store.list_operations(run_id)
-    assert sorted(op["seq_id"] for op in stored) == list(range(10))
+    assert sorted(op.seq_id for op in stored) == list(range(10))
     for op in stored:
-        assert op["status"] == OperationStatus.SUCCEEDED and op["result"] == {"loss": float(op["seq_id"])}
+        assert op.status == OperationStatus.SUCCEEDED and op.result == {"loss": float(op.seq_id)}
 
 
 def test_sampling_operations_are_never_deduplicated(store):
     a, _ = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
     b, created = store.submit_operation("me", None, None, OperationKind.SAMPLE, "")
-    assert created and a["id"] != b["id"]
+    assert created and a.id != b.id
     with pytest.raises(ValueError):
         store.submit_operation("me", None, None, "teleport", "")
 
@@ -326,14 +326,14 @@ def test_recover_after_restart(store, db_url):
     for status, op_id in ops.items():
         op = store.get_operation(op_id)
         if status in OPERATION_PENDING:
-            assert op["status"] == OperationStatus.FAILED and op["finished_at"] is not None
-            assert op["error"]["category"] == "server" and op["error"]["code"] == "server_restarted"
+            assert op.status == OperationStatus.FAILED and op.finished_at is not None
+            assert op.error["category"] == "server" and op.error["code"] == "server_restarted"
         else:
-            assert op["status"] == status
+            assert op.status == status
     for status, run_id in runs.items():
         run = store.get_run(run_id)
         if status in RUN_LIVE:
-            assert run["status"] == RunStatus.INTERRUPTED and "server restarted" in run["error"]
+            assert run.status == RunStatus.INTERRUPTED and "server restarted" in run.error
         else:
-            assert run["status"] == status and run["error"] is None
+            assert run.status == status and run.error is None
     assert store.usage("me") == {"sessions": len(RunStatus), "runs": [], "operations": 0}

@@ -124,11 +124,11 @@ def test_with_block_finishes_the_session(tinker_env, tiny_llama):
         tc = client.create_lora_training_client(base_model=tiny_llama, rank=RANK, seed=SEED).result()
         tc.forward_backward(tinker_data(arrays("cross_entropy")), "cross_entropy").result()
         session_id = client.holder.get_session_id()
-    assert store.get_session(session_id, store.get_run(tc.model_id)["owner"])["status"] == "closed"
-    assert store.get_run(tc.model_id)["status"] == "finished"
-    assert [op["status"] for op in store.list_operations(tc.model_id)] == ["succeeded"]
+    assert store.get_session(session_id, store.get_run(tc.model_id).owner).status == "closed"
+    assert store.get_run(tc.model_id).status == "finished"
+    assert [op.status for op in store.list_operations(tc.model_id)] == ["succeeded"]
     other = tinker.ServiceClient()
     other.create_lora_training_client(base_model=tiny_llama, rank=RANK, seed=SEED).result()
     session_id = other.holder.get_session_id()
     other.close("errored", detail="explicit close").result()
-    assert store.get_session(session_id, store.get_run(tc.model_id)["owner"])["status"] == "closed"
+    assert store.get_session(session_id, store.get_run(tc.model_id).owner).status == "closed"

@@ -192,7 +192,7 @@ def test_chunked_request_sums_sums_and_averages_means_by_datums(client, tinker_e
     before = len(store.list_operations(tc.model_id))
     got = forward_backward(client, case, datums(filler * CHUNK + u))
     requests = store.list_operations(tc.model_id)[before:]
-    assert [len(op["result"]["outputs"]) for op in requests] == [CHUNK, len(SEQS)]  # two chunks went out
+    assert [len(op.result["outputs"]) for op in requests] == [CHUNK, len(SEQS)]  # two chunks went out
     assert len(got.loss_fn_outputs) == CHUNK + len(SEQS)
     assert set(got.metrics) == set(one_u) == BASE | CASES[case][2]
     n_f, n_u = CHUNK, len(SEQS)

@@ -76,7 +76,7 @@ def test_ttl_and_user_metadata(tinker_env, service_client, tiny_llama, monkeypat
     native = httpx.Client(base_url=tinker_env.url, timeout=60)
     pkg = next(p for p in native.get("/v1/checkpoints", params={"run_id": tc.model_id}).json()
                if p["name"] == "with-meta")
-    files = Path(tinker_env.app.state.whitney.store.get_package(pkg["id"])["path"])
+    files = Path(tinker_env.app.state.whitney.store.get_package(pkg["id"]).path)
     assert files.is_dir()
     deadline = time.monotonic() + 20
     while files.exists():  # polled: the reaper deletes them on its next pass past the expiry

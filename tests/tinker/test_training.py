@@ -42,8 +42,8 @@ def test_create_lora_training_client_and_info(service_client, tiny_llama, tinker
     info = tc.get_info()
     assert info.model_id == tc.model_id and info.lora_rank == RANK and info.model_data.model_name == tiny_llama
     run = tinker_env.app.state.whitney.store.get_run(tc.model_id)
-    assert run["lora"]["train_mlp"] is False and run["lora"]["train_unembed"] is False and run["lora"]["seed"] == SEED
-    assert run["user_metadata"] == {"renderer_name": "x"}
+    assert run.lora["train_mlp"] is False and run.lora["train_unembed"] is False and run.lora["seed"] == SEED
+    assert run.user_metadata == {"renderer_name": "x"}
     tokenizer = tc.get_tokenizer()  # the model's local directory, offline
     assert tokenizer.decode(tokenizer.encode("hello world")).strip() == "hello world"
 

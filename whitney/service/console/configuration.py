@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind
+from whitney.service.store.records import RunRecord
 from whitney.service.store.tables import OperationRow
 
 WINDOW = 1000  # the newest operations of each kind whose config is read
@@ -88,16 +89,16 @@ def summarize(configs: list[dict]) -> list[dict]:
     return out
 
 
-def run_config(store: Store, run: dict) -> dict:
+def run_config(store: Store, run: RunRecord) -> dict:
     """The panel's content: the run's LoRA settings, and per operation kind the summarized settings of its
     newest operations (`sections`: `{title, kind, seen, cut, settings}`)."""
-    lora = run["lora"] or {}
+    lora = run.lora or {}
     sections = []
     for kind, title, name in SECTIONS:
-        configs, cut = recent_configs(store, run["id"], kind)
+        configs, cut = recent_configs(store, run.id, kind)
         if configs:
             sections.append({"title": title, "kind": name, "seen": len(configs), "cut": cut,
                              "settings": summarize(configs)})
-    return {"base_model": run["base_model"], "rank": lora.get("rank"), "alpha": lora.get("alpha"),
-            "seed": lora.get("seed"), "targets": targets(lora), "resume_from": run.get("resume_from"),
+    return {"base_model": run.base_model, "rank": lora.get("rank"), "alpha": lora.get("alpha"),
+            "seed": lora.get("seed"), "targets": targets(lora), "resume_from": run.resume_from,
             "sections": sections, "window": WINDOW}

@@ -15,32 +15,33 @@ from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.backend import PackageKind
 from whitney.protocol.training import LoraConfig
 from whitney.service.http.deps import ServiceState
+from whitney.service.store.records import PackageRecord
 from whitney.service.store.tables import new_id
 
 EXPORTABLE = ("state", "sampler")
 
 
-async def export_peft(st: ServiceState, owner: str, package_id: str) -> dict:
+async def export_peft(st: ServiceState, owner: str, package_id: str) -> PackageRecord:
     """Write the package's adapter as a PEFT LoRA directory and register it; answers the new package."""
     package = st.store.get_package(package_id, owner)
-    if package["owner"] != owner:  # another key's public package: readable, but not the caller's to add to
+    if package.owner != owner:  # another key's public package: readable, but not the caller's to add to
         raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
-    if package["kind"] not in EXPORTABLE:
-        raise InvalidInput(f"checkpoint {package_id} is a {package['kind']} package; only state and sampler "
+    if package.kind not in EXPORTABLE:
+        raise InvalidInput(f"checkpoint {package_id} is a {package.kind} package; only state and sampler "
                            "packages are exported (the others are exports already)", field="checkpoint_id")
-    run = st.store.get_run(package["run_id"])
-    lora = LoraConfig.from_dict(run["lora"])
+    run = st.store.get_run(package.run_id)
+    lora = LoraConfig.from_dict(run.lora)
     new_package, scratch = new_id("pkg"), new_id("export")
     path = str(st.data_dir / "packages" / new_package)
     backend = st.scheduler.backend
 
     def export() -> None:
-        backend.create_run(scratch, package["base_model"], lora, package["path"])
+        backend.create_run(scratch, package.base_model, lora, package.path)
         try:
             backend.save(scratch, PackageKind.LORA, path)
         finally:
             backend.delete_run(scratch)
 
     await asyncio.wrap_future(st.scheduler.call(export))
-    return st.store.register_package(package["run_id"], owner, PackageKind.LORA.value, f"{package['name']}-v{package['version']}",
-                                     path, package["base_model"], False, new_package)
+    return st.store.register_package(package.run_id, owner, PackageKind.LORA, f"{package.name}-v{package.version}",
+                                     path, package.base_model, False, new_package)

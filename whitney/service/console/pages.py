@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
@@ -174,7 +175,7 @@ def _sessions(st: ServiceState, who: str, q: str = "", status: str = "") -> dict
         recent = losses.get(run["id"], [])
         by_session.setdefault(run["session_id"], []).append(
             {**run, "counts": counts.get(run["id"], {}), "losses": recent, "last_loss": recent[-1] if recent else None})
-    sessions = [{**s, "runs": by_session.get(s["id"], [])} for s in reversed(st.store.list_sessions(who))]
+    sessions = [{**asdict(s), "runs": by_session.get(s.id, [])} for s in reversed(st.store.list_sessions(who))]
     searching = bool(q.strip() or status)
     if searching:
         sessions = [s for s in sessions if s["runs"]]
@@ -206,10 +207,10 @@ def compare(request: Request, who: Viewer, run: Annotated[list[str], Query()] = 
         settings = {s["name"]: s for section in config["sections"] if section["kind"] != "forward"
                     for s in section["settings"]}  # the training loss's and the optimizer's
         rows.append({"run": r, "color": PALETTE[i % len(PALETTE)], "config": config, "settings": settings,
-                     "counts": counts[r["id"]]})
+                     "counts": counts[r.id]})
     base = request.scope.get("root_path", "")
-    charted = [{"id": row["run"]["id"], "url": f"{base}/runs/{row['run']['id']}/curves", "color": row["color"],
-                "start": row["run"]["created_at"]} for row in rows]
+    charted = [{"id": row["run"].id, "url": f"{base}/runs/{row['run'].id}/curves", "color": row["color"],
+                "start": row["run"].created_at} for row in rows]
     return templates.TemplateResponse(request, "compare.html", {"rows": rows, "charted": charted,
                                                                 "compared": COMPARED})
 
@@ -219,22 +220,22 @@ def _run_live(st: ServiceState, who: str, run_id: str) -> dict:
     counts = queries.operation_counts(st.store, [run_id])[run_id]
     return {"run": run, "counts": counts, "last_loss": queries.last_losses(st.store, [run_id]).get(run_id),
             "timeline": queries.timeline(st.store, run_id), "now": time.time(),
-            "live": run["status"] in RUN_LIVE or any(counts.get(s) for s in OPERATION_PENDING)}
+            "live": run.status in RUN_LIVE or any(counts.get(s) for s in OPERATION_PENDING)}
 
 
 def _run_files(st: ServiceState, who: str, run_id: str) -> dict:
     run = st.store.get_run(run_id, who)
-    packages = [{**p, "bytes": queries.directory_bytes(p["path"])}
+    packages = [{**asdict(p), "bytes": queries.directory_bytes(p.path)}
                 for p in reversed(st.store.list_packages(who, run_id))]
     live_ids = {p["id"] for p in packages}
-    versions = [{**v, "sampleable": run["status"] in RUN_OPEN or v["package_id"] in live_ids}
+    versions = [{**v, "sampleable": run.status in RUN_OPEN or v["package_id"] in live_ids}
                 for v in queries.sampler_versions(st.store, run_id)]
-    return {"run": run, "packages": packages, "versions": versions, "live": run["status"] in RUN_LIVE}
+    return {"run": run, "packages": packages, "versions": versions, "live": run.status in RUN_LIVE}
 
 
 def _run_config(st: ServiceState, who: str, run_id: str) -> dict:
     run = st.store.get_run(run_id, who)
-    return {"run": run, "config": configuration.run_config(st.store, run), "live": run["status"] in RUN_LIVE}
+    return {"run": run, "config": configuration.run_config(st.store, run), "live": run.status in RUN_LIVE}
 
 
 def _run_samples(st: ServiceState, who: str, run_id: str, step: int | None) -> dict:
@@ -247,14 +248,14 @@ def _run_samples(st: ServiceState, who: str, run_id: str, step: int | None) -> d
     rows = [] if step is None else run_samples.list_samples(st.store, run_id, who, step=step,
                                                             limit=run_samples.LIMITS.max_samples_per_request)
     return {"run": run, "steps": steps, "step": step, "pinned": pinned, "samples": rows,
-            "live": run["status"] in RUN_LIVE}
+            "live": run.status in RUN_LIVE}
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: str, who: Viewer):
     st = _state(request)
     context = {**_run_live(st, who, run_id), **_run_files(st, who, run_id)}
-    context["session"] = st.store.get_session(context["run"]["session_id"], who)
+    context["session"] = st.store.get_session(context["run"].session_id, who)
     context["config"] = configuration.run_config(st.store, context["run"])
     context["sampled"] = _run_samples(st, who, run_id, None)
     return templates.TemplateResponse(request, "run.html", context)
@@ -300,7 +301,7 @@ def run_curves(request: Request, run_id: str, who: Viewer, after: int = Query(-1
     after id `logged_after` (run_metrics.points_after), and the run's status."""
     st = _state(request)
     run = st.store.get_run(run_id, who)
-    return JSONResponse({"status": run["status"], "live": run["status"] in RUN_LIVE,
+    return JSONResponse({"status": run.status, "live": run.status in RUN_LIVE,
                          "points": queries.curve_points(st.store, run_id, after),
                          "logged": run_metrics.points_after(st.store, run_id, logged_after)})
 
@@ -318,7 +319,7 @@ def checkpoint_delete(request: Request, package_id: str, who: Viewer):
     _htmx_only(request)
     st = _state(request)
     package = checkpoints.delete_checkpoint(package_id, st, who)  # the API's delete: the row, then the files
-    return templates.TemplateResponse(request, "_run_files.html", _run_files(st, who, package["run_id"]))
+    return templates.TemplateResponse(request, "_run_files.html", _run_files(st, who, package.run_id))
 
 
 @router.post("/checkpoints/{package_id}/export", response_class=HTMLResponse)
@@ -326,7 +327,7 @@ async def checkpoint_export(request: Request, package_id: str, who: Viewer):
     _htmx_only(request)
     st = _state(request)
     package = await export_peft(st, who, package_id)
-    return templates.TemplateResponse(request, "_run_files.html", _run_files(st, who, package["run_id"]))
+    return templates.TemplateResponse(request, "_run_files.html", _run_files(st, who, package.run_id))
 
 
 # ---- the playground and the server -------------------------------------------------------------
@@ -337,13 +338,13 @@ def playground(request: Request, who: Viewer, model: str = "", compare: str = ""
     chat with them; the page's script streams from POST /v1/chat/completions."""
     st = _state(request)
     runs = list(reversed(st.store.list_runs(who)))
-    versions = queries.owner_sampler_versions(st.store, who, [r["id"] for r in runs])
-    packages = [p for p in reversed(st.store.list_packages(who)) if p["kind"] in ("state", "sampler")]
-    kept = {p["id"] for p in packages}
+    versions = queries.owner_sampler_versions(st.store, who, [r.id for r in runs])
+    packages = [p for p in reversed(st.store.list_packages(who)) if p.kind in ("state", "sampler")]
+    kept = {p.id for p in packages}
     # A live run samples its versions from memory; an ended one from their packages, so a deleted one is gone.
-    choices = [{"value": f"{run['id']}@{version}", "run": run, "version": version}
-               for run in runs for version, package_id in versions.get(run["id"], [])
-               if run["status"] in RUN_OPEN or package_id in kept]
+    choices = [{"value": f"{run.id}@{version}", "run": run, "version": version}
+               for run in runs for version, package_id in versions.get(run.id, [])
+               if run.status in RUN_OPEN or package_id in kept]
     return templates.TemplateResponse(request, "playground.html", {
         "models": st.models, "versions": choices, "packages": packages, "selected": model, "compare": compare,
         "known": model in st.models or model in kept or any(c["value"] == model for c in choices)})

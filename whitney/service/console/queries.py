@@ -207,15 +207,15 @@ def sample_wait(store: Store, owner: str, op_id: str) -> dict:
     one, and, while this one is queued, the sampling requests queued before it. Server-wide counts, as the
     server view shows (never another key's runs). One grouped count over the (few) pending operations."""
     op = store.get_operation(op_id, owner)
-    out = {"status": op["status"], "waited_s": max(0.0, time.time() - op["created_at"]), "ahead": 0, "behind": []}
-    if op["status"] not in OPERATION_PENDING:
+    out = {"status": op.status, "waited_s": max(0.0, time.time() - op.created_at), "ahead": 0, "behind": []}
+    if op.status not in OPERATION_PENDING:
         return out
     training = OperationRow.kind.notin_(SAMPLING_KINDS)
     ahead = or_(and_(training, OperationRow.status == OperationStatus.RUNNING),
-                and_(training, OperationRow.created_at < op["created_at"]))
-    if op["status"] == OperationStatus.QUEUED:
+                and_(training, OperationRow.created_at < op.created_at))
+    if op.status == OperationStatus.QUEUED:
         ahead = or_(ahead, and_(OperationRow.status == OperationStatus.QUEUED,
-                                OperationRow.created_at < op["created_at"]))
+                                OperationRow.created_at < op.created_at))
     q = (select(OperationRow.kind, OperationRow.status, func.count())
          .where(OperationRow.status.in_(OPERATION_PENDING), OperationRow.id != op_id, ahead)
          .group_by(OperationRow.kind, OperationRow.status))

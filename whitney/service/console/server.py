@@ -101,12 +101,12 @@ def server_view(st: ServiceState, throughput: Throughput) -> dict:
     models = []
     for name in st.models:
         info = st.model_info(name)
-        runs = [r for r in live if r["base_model"] in (name, *[k for k, v in st.model_aliases.items() if v == name])]
+        runs = [r for r in live if r.base_model in (name, *[k for k, v in st.model_aliases.items() if v == name])]
         models.append({"name": name, "model_type": info.model_type, "device": info.device,
                        "dtype": info.compute_dtype, "weight_bytes": info.weight_bytes,
                        "context": info.max_context, "vocab": info.vocab_size,
                        "modules": len(info.adaptable_modules), "live_runs": len(runs),
-                       "adapter_bytes": sum(st.quotas.run_bytes(r["base_model"], r["lora"]) for r in runs)})
+                       "adapter_bytes": sum(st.quotas.run_bytes(r.base_model, r.lora) for r in runs)})
     counts = st.store.status_counts()
     config = st.scheduler.backend.config
     return {

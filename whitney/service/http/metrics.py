@@ -100,7 +100,7 @@ class _Holdings:
         adapters = GaugeMetricFamily("whitney_run_adapter_bytes", "What each live run holds: LoRA weights, AdamW "
                                      "moments and a gradient", labels=["run_id", "base_model"])
         for run in st.store.live_runs():  # run_bytes: 0 for a model no longer served
-            adapters.add_metric([run["id"], run["base_model"]], st.quotas.run_bytes(run["base_model"], run["lora"]))
+            adapters.add_metric([run.id, run.base_model], st.quotas.run_bytes(run.base_model, run.lora))
         yield from (runs, sessions, sampling, models, adapters)
         residency = backend.residency()
         for name, value, text in (

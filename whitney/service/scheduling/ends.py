@@ -16,27 +16,28 @@ from whitney.protocol.backend import Failure
 from whitney.service.scheduling.streams import SampleStream
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, FailureCategory, OperationStatus
+from whitney.service.store.records import OperationRecord
 
 log = logging.getLogger(__name__)
 
 # (operation, result, error): how an operation ended, as the lanes hand it here.
-End = tuple[dict, dict | None, BaseException | Failure | None]
+End = tuple[OperationRecord, dict | None, BaseException | Failure | None]
 
 
-def end_move(operation: dict, result: dict | None, error: BaseException | Failure | None) -> tuple:
+def end_move(operation: OperationRecord, result: dict | None, error: BaseException | Failure | None) -> tuple:
     """The store move (op_id, status, result, error) of an operation that ended with `result` or `error`, logged."""
     failure = None if error is None else error if isinstance(error, Failure) else Failure.of(error)
     if failure is not None and failure.category == FailureCategory.SERVER:
-        log.error("operation %s (%s) failed: %s", operation["id"], operation["kind"], failure.message,
+        log.error("operation %s (%s) failed: %s", operation.id, operation.kind, failure.message,
                   exc_info=error if isinstance(error, BaseException) else None)
     elif log.isEnabledFor(logging.INFO):
-        run = f" of run {operation['run_id']} (seq_id {operation['seq_id']})" if operation.get("run_id") else ""
+        run = f" of run {operation.run_id} (seq_id {operation.seq_id})" if operation.run_id else ""
         outcome = "succeeded" if failure is None else f"failed ({failure.code}: {failure.message})"
-        log.info("%s %s%s %s, %.2f s after it was submitted", operation["kind"], operation["id"], run, outcome,
-                 time.time() - operation.get("created_at", time.time()))
+        log.info("%s %s%s %s, %.2f s after it was submitted", operation.kind, operation.id, run, outcome,
+                 time.time() - operation.created_at)
     if failure is None:
-        return operation["id"], OperationStatus.SUCCEEDED, result, None
-    return operation["id"], OperationStatus.FAILED, None, failure.to_dict()
+        return operation.id, OperationStatus.SUCCEEDED, result, None
+    return operation.id, OperationStatus.FAILED, None, failure.to_dict()
 
 
 class Ends:
@@ -70,7 +71,7 @@ class Ends:
         future = loop.create_future()
         with self._lock:
             self._waiters.setdefault(op_id, []).append((loop, future))
-        if self.store.get_operation(op_id)["status"] in OPERATION_TERMINAL:
+        if self.store.get_operation(op_id).status in OPERATION_TERMINAL:
             return
         try:
             await asyncio.wait_for(future, timeout)
@@ -95,8 +96,8 @@ class Ends:
         if ends:
             self.store.set_operations([end_move(*end) for end in ends], ended_at)
         for operation, _, _ in ends:
-            self.notify(operation["id"])
+            self.notify(operation.id)
             with self._lock:
-                listener = self.streams.pop(operation["id"], None)
+                listener = self.streams.pop(operation.id, None)
             if listener is not None:
                 listener.end()

@@ -55,5 +55,5 @@ class Reaper:
         for session_id in self.store.idle_sessions(now - self.session_timeout):
             self.store.end_session(session_id, SessionStatus.EXPIRED)
             for run in self.store.runs_of_session(session_id):
-                if run["status"] in RUN_OPEN:
-                    self.cancel_run(run["id"], "session expired")
+                if run.status in RUN_OPEN:
+                    self.cancel_run(run.id, "session expired")

@@ -42,7 +42,3 @@ def sample_result(result: SampleResult) -> dict:
             wire["top_logprobs"] = sequence.top_logprobs
     return out
 
-
-def public_package(package: dict) -> dict:
-    """A package as clients see it: no owner digest, no server path."""
-    return {k: v for k, v in package.items() if k not in ("owner", "path", "deleted", "readers")}

@@ -17,6 +17,7 @@ from whitney.service.scheduling.ends import Ends
 from whitney.service.scheduling.jobs import Job
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationStatus, RunStatus
+from whitney.service.store.records import OperationRecord
 
 @dataclass
 class Progress:
@@ -30,7 +31,7 @@ class Progress:
 @dataclass
 class RunQueue:
     next_seq: int = 0
-    pending: dict[int, tuple[dict, Job]] = field(default_factory=dict)  # seq_id -> (operation, job)
+    pending: dict[int, tuple[OperationRecord, Job]] = field(default_factory=dict)  # seq_id -> (operation, job)
     finishing: bool = False
     progress: Progress | None = None  # of the operation at next_seq, once its first micro-batch ran
     served: int = 0  # the engine call that last ran its work (fairness: the least recently served first)
@@ -41,7 +42,7 @@ class RunQueue:
     active_at: float = -1e18
     active_tokens: int = 0
 
-    def part_way(self) -> dict | None:
+    def part_way(self) -> OperationRecord | None:
         """The operation at next_seq once one of its micro-batches ran (it is RUNNING in the store), else None."""
         if self.progress is not None and self.next_seq in self.pending:
             return self.pending[self.next_seq][0]
@@ -62,13 +63,13 @@ class RunQueues:
         with self._lock:
             self._runs.setdefault(run_id, RunQueue())
 
-    def submit(self, operation: dict, job: Job) -> None:
+    def submit(self, operation: OperationRecord, job: Job) -> None:
         """Park a training operation under its seq_id (a retry of one already known is ignored)."""
         with self._lock:
-            queue = self._runs.setdefault(operation["run_id"], RunQueue())
-            if operation["seq_id"] < queue.next_seq or operation["seq_id"] in queue.pending:
+            queue = self._runs.setdefault(operation.run_id, RunQueue())
+            if operation.seq_id < queue.next_seq or operation.seq_id in queue.pending:
                 return
-            queue.pending[operation["seq_id"]] = (operation, job)
+            queue.pending[operation.seq_id] = (operation, job)
 
     def finish(self, run_id: str) -> None:
         """Run what is queued, then mark the run finished (at once when nothing is queued)."""
@@ -78,7 +79,7 @@ class RunQueues:
             if queue.next_seq not in queue.pending:
                 self._finalize(run_id, queue)
 
-    def ready(self) -> list[tuple[RunQueue, dict, Job]]:
+    def ready(self) -> list[tuple[RunQueue, OperationRecord, Job]]:
         """For each run, its next operation if it has arrived; finish runs that are drained."""
         ready = []
         with self._lock:
@@ -98,12 +99,12 @@ class RunQueues:
         with self._lock:
             return self._runs.get(run_id) is queue
 
-    def advance(self, operation: dict) -> None:
+    def advance(self, operation: OperationRecord) -> None:
         """The operation ended (or was skipped): its run's next seq_id is up."""
         with self._lock:
-            queue = self._runs.get(operation["run_id"])
-            if queue is not None and queue.pending.pop(operation["seq_id"], None) is not None:
-                queue.next_seq = operation["seq_id"] + 1
+            queue = self._runs.get(operation.run_id)
+            if queue is not None and queue.pending.pop(operation.seq_id, None) is not None:
+                queue.next_seq = operation.seq_id + 1
                 queue.progress = None
 
     def end(self, run_id: str, status: OperationStatus, error: dict) -> None:
@@ -113,8 +114,8 @@ class RunQueues:
             queue = self._runs.pop(run_id, None)
         op = queue.part_way() if queue is not None else None
         if op is not None:
-            self.store.set_operation(op["id"], status, error=error)
-            self.ends.notify(op["id"])
+            self.store.set_operation(op.id, status, error=error)
+            self.ends.notify(op.id)
         for op_id in self.store.end_queued(run_id, status, error):
             self.ends.notify(op_id)
 
@@ -122,9 +123,9 @@ class RunQueues:
         """A finishing run is drained: cancel what waits behind a missing seq_id, free its adapter."""
         del self._runs[run_id]
         for seq, (op, _) in queue.pending.items():
-            self.store.set_operation(op["id"], OperationStatus.CANCELLED, error={
+            self.store.set_operation(op.id, OperationStatus.CANCELLED, error={
                 "code": "cancelled",
                 "message": f"run finished before seq_id {seq} could run (seq_id {queue.next_seq} never arrived)"})
-            self.ends.notify(op["id"])
+            self.ends.notify(op.id)
         self.backend.delete_run(run_id)
         self.store.set_run_status(run_id, RunStatus.FINISHED)

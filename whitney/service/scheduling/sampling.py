@@ -15,11 +15,12 @@ from typing import Callable
 
 from whitney.protocol.backend import Backend, Failure, Weights
 from whitney.protocol.sampling import SampleProgress, SamplingParams
-from whitney.service.scheduling.ends import Ends
+from whitney.service.scheduling.ends import End, Ends
 from whitney.service.scheduling.lanes import Lane
 from whitney.service.scheduling.results import sample_result
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationStatus
+from whitney.service.store.records import OperationRecord
 
 
 class Sampling:
@@ -34,18 +35,18 @@ class Sampling:
         self.lane = lane
         self.budget = budget
         self._lock = lock
-        self._samples: dict[str, dict] = {}  # operation id (the backend's request id) -> operation
+        self._samples: dict[str, OperationRecord] = {}  # operation id (the backend's request id) -> operation
 
-    def start(self, operation: dict, prompt: list[int], params: SamplingParams, weights: Weights,
+    def start(self, operation: OperationRecord, prompt: list[int], params: SamplingParams, weights: Weights,
               stream: bool) -> None:
         """Hand the sample to the backend (on the lane's thread); one it refuses ends at once."""
         try:
-            self.backend.submit_sample(operation["id"], prompt, params, weights, stream=stream)
+            self.backend.submit_sample(operation.id, prompt, params, weights, stream=stream)
         except BaseException as e:
             self.ends.finish_all([(operation, None, e)])
             return
-        self.store.set_operation(operation["id"], OperationStatus.RUNNING)
-        self._samples[operation["id"]] = operation
+        self.store.set_operation(operation.id, OperationStatus.RUNNING)
+        self._samples[operation.id] = operation
 
     def step(self) -> bool:
         """Sampling steps of the backend until they took `budget()` seconds (at least one), the lane's calls
@@ -62,7 +63,7 @@ class Sampling:
 
     def _sample_step(self) -> None:
         """One sampling step of the backend; the requests that ended in it are answered together."""
-        ends = []
+        ends: list[End] = []
         for request_id, outcome in self.backend.sample_step():
             if isinstance(outcome, SampleProgress):  # a streaming request's new tokens: to its listener
                 listener = self.ends.listener(request_id)

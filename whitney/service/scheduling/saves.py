@@ -9,9 +9,9 @@ from pathlib import Path
 from whitney.errors import InvalidInput
 from whitney.protocol.backend import Backend, PackageKind
 from whitney.service.scheduling.jobs import LoadJob, SaveJob
-from whitney.service.scheduling.results import public_package
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind
+from whitney.service.store.records import OperationRecord
 from whitney.service.store.tables import new_id
 
 
@@ -20,9 +20,9 @@ SAVES = {OperationKind.SAVE_STATE: PackageKind.STATE, OperationKind.SAVE_WEIGHTS
          OperationKind.EXPORT_LORA: PackageKind.LORA, OperationKind.SAVE_WEIGHTS_FOR_SAMPLER: PackageKind.SAMPLER}
 
 
-def execute(backend: Backend, store: Store, data_dir: Path, op: dict, job: LoadJob | SaveJob) -> dict:
+def execute(backend: Backend, store: Store, data_dir: Path, op: OperationRecord, job: LoadJob | SaveJob) -> dict:
     """Run a load or a save of `op`'s run; its result as stored (the checkpoint, or the public package)."""
-    run_id, kind = op["run_id"], op["kind"]
+    run_id, kind = op.run_id, op.kind
     if isinstance(job, LoadJob):
         backend.load_state(run_id, job.path, with_optimizer=kind == OperationKind.LOAD_STATE_WITH_OPTIMIZER)
         return {"checkpoint_id": job.checkpoint_id}
@@ -38,8 +38,8 @@ def execute(backend: Backend, store: Store, data_dir: Path, op: dict, job: LoadJ
     # A sampler version is also on disk, so it outlives the run and a restart (and reaches every sampler worker).
     version = backend.save(run_id, package_kind, path, include_optimizer=include_optimizer)
     name = job.name or (str(version) if package_kind == PackageKind.SAMPLER else None)
-    package = store.register_package(run_id, run["owner"], package_kind, name, path, run["base_model"],
+    package = store.register_package(run_id, run.owner, package_kind, name, path, run.base_model,
                                      include_optimizer, package_id)
     if package_kind == PackageKind.SAMPLER:
-        return {"version": version, "package": public_package(package)}
-    return {"package": public_package(package)}
+        return {"version": version, "package": package.shown()}
+    return {"package": package.shown()}

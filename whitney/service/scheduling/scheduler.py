@@ -36,6 +36,7 @@ from whitney.service.scheduling.streams import SampleStream
 from whitney.service.scheduling.training import Training
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationStatus, RunStatus
+from whitney.service.store.records import OperationRecord
 
 
 class Scheduler:
@@ -92,16 +93,16 @@ class Scheduler:
         """Run fn() on the training thread (the backend's owner); the future carries its result."""
         return self._training_lane.call(fn)
 
-    def submit(self, operation: dict, job: Job) -> None:
+    def submit(self, operation: OperationRecord, job: Job) -> None:
         """Queue a training operation already recorded in the store."""
         self.queues.submit(operation, job)
         self._training_lane.wake.set()
 
-    def submit_sample(self, operation: dict, prompt: list[int], params: SamplingParams, weights: Weights,
+    def submit_sample(self, operation: OperationRecord, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> SampleStream | None:
         """Queue a sampling operation; the backend knows it by the operation's id. With `stream`, the
         tokens reach the returned listener as they are chosen (its end: the operation is terminal)."""
-        listener = self.ends.listen(operation["id"]) if stream else None
+        listener = self.ends.listen(operation.id) if stream else None
         self._sampling_lane.call(lambda: self.sampling.start(operation, prompt, params, weights, stream))
         return listener
 
@@ -109,17 +110,18 @@ class Scheduler:
         """Nobody listens any more (the client went away): the sample runs on, its reports are dropped."""
         self.ends.drop_stream(op_id)
 
-    def submit_logprobs(self, operation: dict, sequences: list[list[int]], weights: Weights) -> None:
+    def submit_logprobs(self, operation: OperationRecord, sequences: list[list[int]], weights: Weights) -> None:
         """Score sequences on the named weights (not in any run's seq_id order), a chunk per iteration."""
         self.scoring.submit(operation, sequences, weights)
         self._sampling_lane.wake.set()
 
-    def open_run(self, run: dict, resume_path: str | None) -> concurrent.futures.Future:
-        """Create the run's adapter in the backend (and load its bound checkpoint)."""
+    def open_run(self, run_id: str, base_model: str, lora: dict, resume_path: str | None = None,
+                 resume_with_optimizer: bool = False) -> concurrent.futures.Future:
+        """Create a run's adapter in the backend (and load the checkpoint it resumes from), before the run is
+        recorded: the backend validates the LoRA config against the model."""
         def create() -> None:
-            self.backend.create_run(run["id"], run["base_model"], LoraConfig.from_dict(run["lora"]), resume_path,
-                                    run["resume_with_optimizer"])
-            self.queues.open(run["id"])
+            self.backend.create_run(run_id, base_model, LoraConfig.from_dict(lora), resume_path, resume_with_optimizer)
+            self.queues.open(run_id)
         return self.call(create)
 
     def finish_run(self, run_id: str) -> concurrent.futures.Future:

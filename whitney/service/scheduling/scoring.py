@@ -12,13 +12,14 @@ from whitney.service.scheduling.ends import Ends
 from whitney.service.scheduling.limits import plan_micro_batches
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationStatus
+from whitney.service.store.records import OperationRecord
 
 
 @dataclass
 class Scoring:
     """A compute_logprobs request, scored a chunk of sequences per worker iteration."""
 
-    operation: dict
+    operation: OperationRecord
     sequences: list[list[int]]
     weights: Weights
     done: int = 0
@@ -49,7 +50,7 @@ class ScoringTurns:
         self._lock = lock
         self._turns: list[Scoring] = []
 
-    def submit(self, operation: dict, sequences: list[list[int]], weights: Weights) -> None:
+    def submit(self, operation: OperationRecord, sequences: list[list[int]], weights: Weights) -> None:
         with self._lock:
             self._turns.append(Scoring(operation, sequences, weights))
 
@@ -60,7 +61,7 @@ class ScoringTurns:
                 return False
             job = self._turns.pop(0)
         if job.done == 0:
-            self.store.set_operation(job.operation["id"], OperationStatus.RUNNING)
+            self.store.set_operation(job.operation.id, OperationStatus.RUNNING)
         error = job.score_chunk(self.backend, self.max_batch_tokens)
         if error is not None:
             self.ends.finish_all([(job.operation, None, error)])

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from whitney.protocol.backend import Backend, Failure
-from whitney.protocol.training import ForwardRequest, ForwardResult, merge_results
+from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, merge_results
 from whitney.service.scheduling.ends import End, Ends
 from whitney.service.scheduling.jobs import ForwardJob, Job, OptimJob, Refused
 from whitney.service.scheduling.limits import plan_micro_batches
@@ -24,19 +24,20 @@ from whitney.service.scheduling.run_queues import Progress, RunQueue, RunQueues
 from whitney.service.scheduling.saves import execute
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind, OperationStatus
+from whitney.service.store.records import OperationRecord
 
 log = logging.getLogger(__name__)
 
 
-def end_of_part(backend: Backend, operation: dict, progress: Progress, result: ForwardResult | Failure, start: int,
-                end: int, datums: int, backward: bool) -> End | None:
+def end_of_part(backend: Backend, operation: OperationRecord, progress: Progress, result: ForwardResult | Failure,
+                start: int, end: int, datums: int, backward: bool) -> End | None:
     """An engine call's result for the operation's datums [start, end): its end (operation, result, failure) once
     the operation is whole or has failed, else None (micro-batches to come). A bug while ending it (merging the
     parts, committing a staged gradient) fails this operation as a server error rather than leaving it running."""
     try:
         if isinstance(result, Failure):
             if progress.staged:
-                backend.settle_gradients(operation["run_id"], operation["id"], keep=False)
+                backend.settle_gradients(operation.run_id, operation.id, keep=False)
             if result.datum_index is not None:  # the index within the whole operation
                 result = replace(result, datum_index=result.datum_index + start)
             return operation, None, result
@@ -45,14 +46,14 @@ def end_of_part(backend: Backend, operation: dict, progress: Progress, result: F
         if end < datums:
             return None
         if progress.staged and backward:
-            backend.settle_gradients(operation["run_id"], operation["id"], keep=True)
+            backend.settle_gradients(operation.run_id, operation.id, keep=True)
         return operation, forward_result_dict(merge_results(progress.parts)), None
     except Exception as e:
         if progress.staged:
             try:
-                backend.settle_gradients(operation["run_id"], operation["id"], keep=False)
+                backend.settle_gradients(operation.run_id, operation.id, keep=False)
             except Exception:
-                log.exception("discarding the staged gradient of %s failed too", operation["id"])
+                log.exception("discarding the staged gradient of %s failed too", operation.id)
         return operation, None, e
 
 
@@ -92,7 +93,7 @@ class Training:
             held, held_at = self._batch(batched), time.time()
             ready = self.queues.ready()
         singles = [(op, job) for _, op, job in ready if not isinstance(job, ForwardJob)]
-        ends = []  # the engine call's ends are stored even if a bug stops the rest
+        ends: list[End] = []  # the engine call's ends are stored even if a bug stops the rest
         try:
             ends = self._singles(singles) if singles else []
         finally:
@@ -102,7 +103,7 @@ class Training:
         self.seconds = time.monotonic() - start
         return True
 
-    def _shares(self, items: list[tuple[RunQueue, dict, ForwardJob]], now: float) -> list[int]:
+    def _shares(self, items: list[tuple[RunQueue, OperationRecord, ForwardJob]], now: float) -> list[int]:
         """How many datums of each item the next engine call runs: the least recently served first, each
         run's share reserved for a while after it last had work ready (`plan_micro_batches`)."""
         remaining = [job.lengths[queue.progress.done if queue.progress else 0:] for queue, _, job in items]
@@ -111,20 +112,20 @@ class Training:
                     and (self.calls_made - q.active_call <= 2 or now - q.active_at <= self.recent_seconds)]
         return plan_micro_batches(remaining, self.max_batch_tokens, [q.starved for q, _, _ in items], reserved)
 
-    def _batch(self, ready: list[tuple[RunQueue, dict, ForwardJob]]) -> list[End]:
+    def _batch(self, ready: list[tuple[RunQueue, OperationRecord, ForwardJob]]) -> list[End]:
         """One engine call: the least recently served run's kind (forward or forward_backward), and the
         ready operations of that kind, each whole or a micro-batch of it. Returns the (operation, result,
         failure) it ended, for the caller to store; their runs' orders moved on."""
         ready.sort(key=lambda item: item[0].served)
-        kind = ready[0][1]["kind"]
-        items = [item for item in ready if item[1]["kind"] == kind]
+        kind = ready[0][1].kind
+        items = [item for item in ready if item[1].kind == kind]
         now = time.monotonic()
         for queue, _, job in ready:
             queue.active_call, queue.active_at = self.calls_made, now
             queue.active_tokens = min(job.tokens, self.max_batch_tokens)
         counts = self._shares(items, now)
         self.calls_made += 1
-        starting = [op["id"] for (queue, op, _), count in zip(items, counts) if count and queue.progress is None]
+        starting = [op.id for (queue, op, _), count in zip(items, counts) if count and queue.progress is None]
         moved = dict(zip(starting, self.store.set_operations([(i, OperationStatus.RUNNING, None, None)
                                                               for i in starting]))) if starting else {}
         planned, requests = [], []
@@ -133,15 +134,15 @@ class Training:
             if count == 0:
                 continue
             if queue.progress is None:
-                if not moved[op["id"]]:  # ended while queued (cancelled): skipped, the order moves on
+                if not moved[op.id]:  # ended while queued (cancelled): skipped, the order moves on
                     self.queues.advance(op)
                     continue
                 queue.progress = Progress(staged=count < len(job.data))
             queue.served = self.calls_made
             start = queue.progress.done
             planned.append((queue, op, job, start, start + count))
-            requests.append(ForwardRequest(op["run_id"], job.data[start:start + count], job.loss_fn, job.loss_config,
-                                           stage=op["id"] if queue.progress.staged else None))
+            requests.append(ForwardRequest(op.run_id, job.data[start:start + count], job.loss_fn, job.loss_config,
+                                           stage=op.id if queue.progress.staged else None))
         if not requests:  # every share was under one datum: each runs at least one next time (starved)
             return []
         backward = kind == OperationKind.FORWARD_BACKWARD
@@ -150,9 +151,9 @@ class Training:
         except BaseException as e:  # a bug: every operation of the batch fails as a server error
             log.exception("run_batch failed")
             results = [Failure.of(e)] * len(requests)
-        ends = []
+        ends: list[End] = []
         for (queue, op, job, start, end), result in zip(planned, results):
-            if not self.queues.holds(op["run_id"], queue):  # cancelled meanwhile: cancel_run answered it
+            if not self.queues.holds(op.run_id, queue):  # cancelled meanwhile: cancel_run answered it
                 continue
             ended = end_of_part(self.backend, op, queue.progress, result, start, end, len(job.data), backward)
             if ended is not None:
@@ -161,11 +162,12 @@ class Training:
             self.queues.advance(op)
         return ends
 
-    def _singles(self, items: list[tuple[dict, Job]]) -> list[End]:
+    def _singles(self, items: list[tuple[OperationRecord, Job]]) -> list[End]:
         """Ready operations other than forwards, of different runs: started in one store statement, every
         optim_step in one backend call (`optim_steps`), loads and saves one by one; returns their ends."""
-        moved = self.store.set_operations([(op["id"], OperationStatus.RUNNING, None, None) for op, _ in items])
-        ends, steps = [], []
+        moved = self.store.set_operations([(op.id, OperationStatus.RUNNING, None, None) for op, _ in items])
+        ends: list[End] = []
+        steps: list[tuple[OperationRecord, AdamParams]] = []
         for (op, job), ok in zip(items, moved):
             if not ok:  # ended while queued (cancelled): skipped, the order moves on
                 continue
@@ -180,7 +182,7 @@ class Training:
                     ends.append((op, None, e))
         if steps:
             try:
-                results = self.backend.optim_steps([(op["run_id"], params) for op, params in steps])
+                results = self.backend.optim_steps([(op.run_id, params) for op, params in steps])
             except BaseException as e:  # a bug: each of these steps fails as a server error
                 log.exception("optim_steps failed")
                 results = [Failure.of(e)] * len(steps)

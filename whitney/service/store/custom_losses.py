@@ -15,19 +15,20 @@ from sqlalchemy import select
 
 from whitney.errors import InvalidInput, NotFound
 from whitney.service.store.database import Store, digest
-from whitney.service.store.tables import CustomLossRow, _row_dict, new_id
+from whitney.service.store.records import CustomLossRecord, record
+from whitney.service.store.tables import CustomLossRow, new_id
 
 CUSTOM = "custom"  # the loss function name that takes {"loss_id": ...}
 
 
-def public(row: dict, with_graph: bool = False) -> dict:
-    out = {"id": row["id"], "name": row["name"], "inputs": row["definition"]["inputs"],
-           "session_id": row["session_id"], "created_at": row["created_at"]}
-    return {**out, "graph": row["definition"]["graph"]} if with_graph else out
+def public(loss: CustomLossRecord, with_graph: bool = False) -> dict:
+    out = {"id": loss.id, "name": loss.name, "inputs": loss.definition["inputs"],
+           "session_id": loss.session_id, "created_at": loss.created_at}
+    return {**out, "graph": loss.definition["graph"]} if with_graph else out
 
 
 def create(store: Store, who: str, definition: dict, check: Callable[[dict], None], *, loss_id: str | None = None,
-           session_id: str | None = None) -> dict:
+           session_id: str | None = None) -> CustomLossRecord:
     """Check a definition (`check`: the backend's `check_custom_loss`, InvalidInput naming the node that breaks a
     rule) and store it. With `loss_id`, a resend of the same definition returns the stored row and a different
     one under that id is InvalidInput."""
@@ -39,28 +40,28 @@ def create(store: Store, who: str, definition: dict, check: Callable[[dict], Non
             if row is not None:
                 if row.owner != who or row.body_digest != body:
                     raise InvalidInput(f"custom loss {loss_id!r} exists with another definition", field="loss_id")
-                return _row_dict(row)
+                return record(CustomLossRecord, row)
         row = CustomLossRow(id=loss_id or new_id("loss"), owner=who, session_id=session_id,
                             name=definition["name"], definition=definition, body_digest=body,
                             created_at=time.time())
         db.add(row)
         db.flush()
-        return _row_dict(row)
+        return record(CustomLossRecord, row)
 
 
-def get(store: Store, who: str, loss_id: str) -> dict:
+def get(store: Store, who: str, loss_id: str) -> CustomLossRecord:
     """The caller's stored loss (another key's is NotFound, as if it did not exist)."""
     with store.tx() as db:
         row = db.get(CustomLossRow, loss_id) if isinstance(loss_id, str) else None
         if row is None or row.owner != who:
             raise NotFound(f"custom loss {loss_id!r} does not exist", field="loss_config.loss_id")
-        return _row_dict(row)
+        return record(CustomLossRecord, row)
 
 
-def list_for(store: Store, who: str) -> list[dict]:
+def list_for(store: Store, who: str) -> list[CustomLossRecord]:
     with store.tx() as db:
         q = select(CustomLossRow).where(CustomLossRow.owner == who).order_by(CustomLossRow.created_at)
-        return [_row_dict(r) for r in db.scalars(q)]
+        return [record(CustomLossRecord, r) for r in db.scalars(q)]
 
 
 def resolve(store: Store, who: str, loss_fn: str, loss_config: dict) -> dict:
@@ -71,4 +72,4 @@ def resolve(store: Store, who: str, loss_fn: str, loss_config: dict) -> dict:
         raise InvalidInput("loss function custom takes loss_config {\"loss_id\": id}, the id create_custom_loss "
                            f"returned; got keys {sorted(loss_config) if isinstance(loss_config, dict) else []}",
                            field="loss_config")
-    return get(store, who, loss_config["loss_id"])["definition"]
+    return get(store, who, loss_config["loss_id"]).definition

@@ -5,7 +5,7 @@ server still answers truthfully. The rules that must survive races are constrain
   - (run_id, seq_id) is unique: a resubmitted operation resolves to the existing row (safe retries);
   - (run_id, kind, name, version) is unique for model packages: versions never collide;
   - a status moves only as whitney.service.store.lifecycle lists, each move one conditional UPDATE.
-Functions take and return plain dicts; routes and the scheduler never see rows.
+Methods return typed records (records.py); routes and the scheduler never see rows.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from whitney.service.store.lifecycle import (OPERATION_MOVES, OPERATION_PENDING,
                                              RUN_MOVES, RUN_OPEN, SESSION_MOVES, FailureCategory, OperationKind,
                                              OperationStatus, RunStatus, SessionStatus, sources)
 from whitney.service.store.migrations import migrate
-from whitney.service.store.tables import Base, KeyRow, OperationRow, PackageRow, RunRow, SessionRow, _row_dict, new_id
+from whitney.service.store.records import (KeyRecord, OperationRecord, PackageRecord, RunRecord, SessionRecord,
+                                           record)
+from whitney.service.store.tables import Base, KeyRow, OperationRow, PackageRow, RunRow, SessionRow, new_id
 
 
 class Store:
@@ -57,27 +59,27 @@ class Store:
 
     # ---- sessions ---------------------------------------------------------------------------
 
-    def create_session(self, owner: str, user_metadata: dict | None = None) -> dict:
+    def create_session(self, owner: str, user_metadata: dict | None = None) -> SessionRecord:
         now = time.time()
         row = SessionRow(id=new_id("ses"), owner=owner, status=SessionStatus.ACTIVE, created_at=now, last_heartbeat=now,
                          user_metadata=user_metadata or {})
         with self.tx() as db:
             db.add(row)
-        return _row_dict(row)
+        return record(SessionRecord, row)
 
-    def get_session(self, session_id: str, owner: str) -> dict:
+    def get_session(self, session_id: str, owner: str) -> SessionRecord:
         with self.tx() as db:
             row = db.get(SessionRow, session_id)
             if row is None or row.owner != owner:
                 raise NotFound(f"session {session_id!r} does not exist", field="session_id")
-            return _row_dict(row)
+            return record(SessionRecord, row)
 
-    def list_sessions(self, owner: str) -> list[dict]:
+    def list_sessions(self, owner: str) -> list[SessionRecord]:
         with self.tx() as db:
             rows = db.scalars(select(SessionRow).where(SessionRow.owner == owner).order_by(SessionRow.created_at))
-            return [_row_dict(r) for r in rows]
+            return [record(SessionRecord, r) for r in rows]
 
-    def heartbeat(self, session_id: str, owner: str) -> dict:
+    def heartbeat(self, session_id: str, owner: str) -> SessionRecord:
         with self.tx() as db:
             row = db.get(SessionRow, session_id)
             if row is None or row.owner != owner:
@@ -85,7 +87,7 @@ class Store:
             if row.status != SessionStatus.ACTIVE:
                 raise Conflict(f"session {session_id!r} is {row.status}", field="session_id")
             row.last_heartbeat = time.time()
-            return _row_dict(row)
+            return record(SessionRecord, row)
 
     def end_session(self, session_id: str, status: SessionStatus) -> bool:
         """Close or expire a session (SESSION_MOVES: only an active one); True if it moved."""
@@ -104,34 +106,34 @@ class Store:
     # ---- runs -------------------------------------------------------------------------------
 
     def create_run(self, session_id: str, owner: str, base_model: str, lora: dict, resume_from: str | None,
-                   resume_with_optimizer: bool, user_metadata: dict | None, run_id: str | None = None) -> dict:
+                   resume_with_optimizer: bool, user_metadata: dict | None, run_id: str | None = None) -> RunRecord:
         session = self.get_session(session_id, owner)
-        if session["status"] != SessionStatus.ACTIVE:
-            raise Conflict(f"session {session_id!r} is {session['status']}", field="session_id")
+        if session.status != SessionStatus.ACTIVE:
+            raise Conflict(f"session {session_id!r} is {session.status}", field="session_id")
         row = RunRow(id=run_id or new_id("run"), session_id=session_id, owner=owner, base_model=base_model, lora=lora,
                      status=RunStatus.ACTIVE, created_at=time.time(), resume_from=resume_from,
                      resume_with_optimizer=resume_with_optimizer, user_metadata=user_metadata or {})
         with self.tx() as db:
             db.add(row)
-        return _row_dict(row)
+        return record(RunRecord, row)
 
-    def get_run(self, run_id: str, owner: str | None = None) -> dict:
+    def get_run(self, run_id: str, owner: str | None = None) -> RunRecord:
         with self.engine.connect() as conn:  # Core: every training request reads its run
-            row = conn.execute(_RUN, {"id": run_id}).mappings().first()
-        if row is None or (owner is not None and row["owner"] != owner):
+            row = conn.execute(_RUN, {"id": run_id}).first()
+        if row is None or (owner is not None and row.owner != owner):
             raise NotFound(f"run {run_id!r} does not exist", field="run_id")
-        return dict(row)
+        return record(RunRecord, row)
 
-    def list_runs(self, owner: str, session_id: str | None = None) -> list[dict]:
+    def list_runs(self, owner: str, session_id: str | None = None) -> list[RunRecord]:
         with self.tx() as db:
             q = select(RunRow).where(RunRow.owner == owner)
             if session_id is not None:
                 q = q.where(RunRow.session_id == session_id)
-            return [_row_dict(r) for r in db.scalars(q.order_by(RunRow.created_at))]
+            return [record(RunRecord, r) for r in db.scalars(q.order_by(RunRow.created_at))]
 
-    def runs_of_session(self, session_id: str) -> list[dict]:
+    def runs_of_session(self, session_id: str) -> list[RunRecord]:
         with self.tx() as db:
-            return [_row_dict(r) for r in db.scalars(select(RunRow).where(RunRow.session_id == session_id))]
+            return [record(RunRecord, r) for r in db.scalars(select(RunRow).where(RunRow.session_id == session_id))]
 
     def set_run_status(self, run_id: str, status: RunStatus, error: str | None = None) -> bool:
         """Move a run to `status` if lifecycle.RUN_MOVES allows it from the run's status now; True if it moved.
@@ -148,7 +150,7 @@ class Store:
 
     def submit_operation(self, owner: str, run_id: str | None, seq_id: int | None, kind: OperationKind,
                          body_digest: str, admit: Callable[[], None] | None = None,
-                         config: dict | None = None) -> tuple[dict, bool]:
+                         config: dict | None = None) -> tuple[OperationRecord, bool]:
         """Queue (run, seq_id), or return the existing operation if the same body was sent before.
 
         Returns (operation, created). The run must be the owner's (NotFound). A run that is not active
@@ -180,7 +182,7 @@ class Store:
         try:
             with self.engine.begin() as conn:
                 conn.execute(_INSERT_OPERATION, [row])
-            return row, True
+            return OperationRecord(**row), True
         except IntegrityError:  # the same (run, seq_id) committed by a racing request
             with self.engine.connect() as conn:
                 existing = self._same_operation(conn, run_id, seq_id, kind, body_digest)
@@ -189,34 +191,34 @@ class Store:
             return existing, False
 
     @staticmethod
-    def _same_operation(conn, run_id: str, seq_id: int, kind: str, body_digest: str) -> dict | None:
+    def _same_operation(conn, run_id: str, seq_id: int, kind: str, body_digest: str) -> OperationRecord | None:
         """The operation at (run, seq_id), if any, when it is the same request; a Conflict when it is not."""
-        existing = conn.execute(_OPERATION_AT, {"run_id": run_id, "seq_id": seq_id}).mappings().first()
+        existing = conn.execute(_OPERATION_AT, {"run_id": run_id, "seq_id": seq_id}).first()
         if existing is None:
             return None
-        if existing["body_digest"] != body_digest or existing["kind"] != kind:
+        if existing.body_digest != body_digest or existing.kind != kind:
             raise Conflict(f"seq_id {seq_id} of run {run_id!r} was already used for a different "
-                           f"{existing['kind']} request", field="seq_id")
-        return dict(existing)
+                           f"{existing.kind} request", field="seq_id")
+        return record(OperationRecord, existing)
 
-    def get_operation(self, op_id: str, owner: str | None = None) -> dict:
+    def get_operation(self, op_id: str, owner: str | None = None) -> OperationRecord:
         """The operation's row (a Core read: every long-poll asks, so none of the ORM's loading)."""
         with self.engine.connect() as conn:
-            row = conn.execute(_OPERATION, {"id": op_id}).mappings().first()
-        if row is None or (owner is not None and row["owner"] != owner):
+            row = conn.execute(_OPERATION, {"id": op_id}).first()
+        if row is None or (owner is not None and row.owner != owner):
             raise NotFound(f"operation {op_id!r} does not exist", field="operation_id")
-        return dict(row)
+        return record(OperationRecord, row)
 
-    def find_operation(self, run_id: str, seq_id: int) -> dict | None:
+    def find_operation(self, run_id: str, seq_id: int) -> OperationRecord | None:
         with self.tx() as db:
             row = db.scalars(select(OperationRow).where(OperationRow.run_id == run_id,
                                                         OperationRow.seq_id == seq_id)).first()
-            return _row_dict(row) if row is not None else None
+            return record(OperationRecord, row) if row is not None else None
 
-    def list_operations(self, run_id: str) -> list[dict]:
+    def list_operations(self, run_id: str) -> list[OperationRecord]:
         with self.tx() as db:
             q = select(OperationRow).where(OperationRow.run_id == run_id).order_by(OperationRow.seq_id)
-            return [_row_dict(r) for r in db.scalars(q)]
+            return [record(OperationRecord, r) for r in db.scalars(q)]
 
     def set_operation(self, op_id: str, status: OperationStatus, result: dict | None = None,
                       error: dict | None = None) -> bool:
@@ -278,10 +280,10 @@ class Store:
             sessions = db.execute(select(SessionRow.status, func.count()).group_by(SessionRow.status)).all()
         return {"runs": dict(runs), "sessions": dict(sessions)}
 
-    def live_runs(self) -> list[dict]:
+    def live_runs(self) -> list[RunRecord]:
         """Every run not yet ended (their adapters are held)."""
         with self.tx() as db:
-            return [_row_dict(r) for r in db.scalars(select(RunRow).where(RunRow.status.in_(RUN_LIVE)))]
+            return [record(RunRecord, r) for r in db.scalars(select(RunRow).where(RunRow.status.in_(RUN_LIVE)))]
 
     def recover_after_restart(self) -> None:
         """Operations that were queued or running when the process died failed; their runs are interrupted."""
@@ -298,7 +300,7 @@ class Store:
     # ---- model packages ---------------------------------------------------------------------
 
     def register_package(self, run_id: str, owner: str, kind: PackageKind, name: str, path: str, base_model: str,
-                         has_optimizer: bool = False, package_id: str | None = None) -> dict:
+                         has_optimizer: bool = False, package_id: str | None = None) -> PackageRecord:
         kind = PackageKind(kind).value  # stored as its name (a ValueError for a kind that is none: a bug)
         with self.tx() as db:
             latest = db.scalars(select(PackageRow.version).where(
@@ -308,17 +310,17 @@ class Store:
                              version=(latest or 0) + 1, path=path, base_model=base_model,
                              has_optimizer=has_optimizer, created_at=time.time())
             db.add(row)
-        return _row_dict(row)
+        return record(PackageRecord, row)
 
-    def get_package(self, package_id: str, owner: str | None = None) -> dict:
+    def get_package(self, package_id: str, owner: str | None = None) -> PackageRecord:
         with self.tx() as db:
             row = db.get(PackageRow, package_id)  # the owner's, or public; never one past its expiry
             if row is None or row.deleted or (owner is not None and row.owner != owner and not row.public) or (
                     row.expires_at is not None and row.expires_at <= time.time()):
                 raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
-            return _row_dict(row)
+            return record(PackageRecord, row)
 
-    def list_packages(self, owner: str, run_id: str | None = None, kind: str | None = None) -> list[dict]:
+    def list_packages(self, owner: str, run_id: str | None = None, kind: str | None = None) -> list[PackageRecord]:
         with self.tx() as db:
             q = select(PackageRow).where(PackageRow.owner == owner, PackageRow.deleted.is_(False), or_(
                 PackageRow.expires_at.is_(None), PackageRow.expires_at > time.time()))
@@ -326,9 +328,9 @@ class Store:
                 q = q.where(PackageRow.run_id == run_id)
             if kind is not None:
                 q = q.where(PackageRow.kind == kind)
-            return [_row_dict(r) for r in db.scalars(q.order_by(PackageRow.created_at))]
+            return [record(PackageRecord, r) for r in db.scalars(q.order_by(PackageRow.created_at))]
 
-    def sampler_version(self, run_id: str, version: int) -> dict | None:
+    def sampler_version(self, run_id: str, version: int) -> PackageRecord | None:
         """The package that run's save_weights_for_sampler wrote for `version` (deleted ones included:
         a live run still holds the version in memory), or None if the run has no such version."""
         with self.tx() as db:
@@ -338,7 +340,7 @@ class Store:
             for op in ops:
                 if (op.result or {}).get("version") == version:
                     row = db.get(PackageRow, op.result["package"]["id"])
-                    return _row_dict(row) if row is not None else None
+                    return record(PackageRecord, row) if row is not None else None
         return None
 
     def newest_sampler_versions(self, owner: str, limit: int) -> list[dict]:
@@ -372,45 +374,45 @@ class Store:
             rows = db.execute(q).all()
         return [{"id": package_id, "run_id": run_id, "created": int(t)} for package_id, run_id, t in rows]
 
-    def delete_package(self, package_id: str, owner: str) -> dict:
+    def delete_package(self, package_id: str, owner: str) -> PackageRecord:
         with self.tx() as db:
             row = db.get(PackageRow, package_id)
             if row is None or row.deleted or row.owner != owner:
                 raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
             row.deleted = True
-            return _row_dict(row)
+            return record(PackageRecord, row)
 
     # ---- API keys and what each owner holds ---------------------------------------------------
 
-    def create_key(self, digest: str, name: str | None, limits: dict) -> dict:
+    def create_key(self, digest: str, name: str | None, limits: dict) -> KeyRecord:
         row = KeyRow(id=new_id("key"), digest=digest, name=name, created_at=time.time(), **limits)
         with self.tx() as db:
             db.add(row)
-        return _row_dict(row)
+        return record(KeyRecord, row)
 
-    def list_keys(self) -> list[dict]:
+    def list_keys(self) -> list[KeyRecord]:
         with self.tx() as db:
-            return [_row_dict(r) for r in db.scalars(select(KeyRow).order_by(KeyRow.created_at))]
+            return [record(KeyRecord, r) for r in db.scalars(select(KeyRow).order_by(KeyRow.created_at))]
 
-    def find_key(self, digest: str) -> dict | None:
+    def find_key(self, digest: str) -> KeyRecord | None:
         """The key with this digest, revoked or not."""
         with self.tx() as db:
             row = db.scalars(select(KeyRow).where(KeyRow.digest == digest)).first()
-            return _row_dict(row) if row is not None else None
+            return record(KeyRecord, row) if row is not None else None
 
     def has_keys(self) -> bool:
         """Whether any key was ever created (a revoked one too: revoking the last key never opens the server)."""
         with self.tx() as db:
             return db.scalars(select(KeyRow.id).limit(1)).first() is not None
 
-    def revoke_key(self, key_id: str) -> dict:
+    def revoke_key(self, key_id: str) -> KeyRecord:
         """Revoke a key (again: no change, the first revocation time stays)."""
         with self.tx() as db:
             row = db.get(KeyRow, key_id)
             if row is None:
                 raise NotFound(f"key {key_id!r} does not exist", field="key_id")
             row.revoked_at = row.revoked_at or time.time()
-            return _row_dict(row)
+            return record(KeyRecord, row)
 
     def usage(self, owner: str) -> dict:
         """What an owner holds now: active sessions, live runs (base model and LoRA config each) and

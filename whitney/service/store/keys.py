@@ -26,6 +26,7 @@ from whitney.errors import WhitneyError
 from whitney.service.http.signing import is_jwt, read_jwt
 from whitney.service.store.database import Store
 from whitney.service.store.key_limits import LIMITS
+from whitney.service.store.records import KeyRecord
 
 PREFIX = "tml-wk-"  # the Tinker SDK refuses keys that do not start with "tml-"
 CACHE_SECONDS = 1.0
@@ -75,7 +76,7 @@ class KeyRing:
         self.store = store
         self._config = {digest_of(k) for k in config_keys}
         self._always = bool(config_keys) or require_keys
-        self._cache: dict[str, tuple[float, dict | None]] = {}  # digest -> (until, key row or None)
+        self._cache: dict[str, tuple[float, KeyRecord | None]] = {}  # digest -> (until, key or None)
         self._any: tuple[float, bool] = (0.0, False)
         self._own: dict[str, dict] = {}  # owner -> its key's own limits, as last looked up
         self._lock = threading.Lock()
@@ -96,8 +97,8 @@ class KeyRing:
         if digest is not None and digest in self._config:
             return digest[:32]
         row = self._lookup(digest) if digest is not None else None
-        if row is not None and row["revoked_at"] is None:
-            self._own[digest[:32]] = {k: row[k] for k in LIMITS}
+        if row is not None and row.revoked_at is None:
+            self._own[digest[:32]] = {k: getattr(row, k) for k in LIMITS}
             return digest[:32]
         if self.required():
             raise Unauthorized("a valid API key is required (Authorization: Bearer <key>)", field="authorization")
@@ -107,7 +108,7 @@ class KeyRing:
         """The owner's key's own limits (None: the server's default); {} for `--api-key` keys and no key."""
         return self._own.get(owner, {})
 
-    def _lookup(self, digest: str) -> dict | None:
+    def _lookup(self, digest: str) -> KeyRecord | None:
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and now < hit[0]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +27,8 @@ from sqlalchemy import delete, or_, select, update
 from whitney.errors import Conflict, InvalidInput, NotFound
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationStatus
-from whitney.service.store.tables import PackageRow, _row_dict, new_id
+from whitney.service.store.records import OperationRecord, PackageRecord, record
+from whitney.service.store.tables import PackageRow, new_id
 
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # Tinker's upper bound (its lower one, an hour, is not enforced here)
 
@@ -45,15 +47,15 @@ def _live():
 
 # ---- ownership and settings ----------------------------------------------------------------------
 
-def owned(store: Store, package_id: str, who: str) -> dict:
+def owned(store: Store, package_id: str, who: str) -> PackageRecord:
     """The caller's own live package (a public package of another key is not writable: 404, as unknown)."""
     package = store.get_package(package_id, who)
-    if package["owner"] != who:
+    if package.owner != who:
         raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
     return package
 
 
-def readable(store: Store, package_id: str, who: str, also: str | None = None) -> dict:
+def readable(store: Store, package_id: str, who: str, also: str | None = None) -> PackageRecord:
     """A live package the caller may read: its own, a public one, or one of `also` (the owner of a second key
     the caller presented: it holds both)."""
     try:
@@ -65,7 +67,7 @@ def readable(store: Store, package_id: str, who: str, also: str | None = None) -
 
 
 def settle(store: Store, package_id: str, who: str, *, ttl_seconds: int | None = None, clear_ttl: bool = False,
-           user_metadata: dict | None = None) -> dict:
+           user_metadata: dict | None = None) -> PackageRecord:
     """Set (or with clear_ttl remove) the package's expiry, counted from now, and/or replace its user_metadata."""
     owned(store, package_id, who)
     check_ttl(ttl_seconds)
@@ -100,7 +102,7 @@ def settle_at_end(store: Store, op_id: str, ttl_seconds: int | None, user_metada
     store.at_end[op_id] = apply
 
 
-def publish(store: Store, package_id: str, who: str, public: bool) -> dict:
+def publish(store: Store, package_id: str, who: str, public: bool) -> PackageRecord:
     """Make the caller's package readable by every key (or its own again); Conflict if it already is."""
     owned(store, package_id, who)
     with store.tx() as db:
@@ -131,7 +133,8 @@ def gone(path: str) -> NotFound:
     return NotFound(f"the checkpoint at {Path(path).name} has expired or was deleted", field="checkpoint_id")
 
 
-def reading(store: Store, path: str | None, submit: Callable[[], tuple[dict, bool]]) -> tuple[dict, bool]:
+def reading(store: Store, path: str | None,
+            submit: Callable[[], tuple[OperationRecord, bool]]) -> tuple[OperationRecord, bool]:
     """submit() an operation that reads the package at `path` (None: no package), counted as its reader from
     before it is recorded until it ends (Store.at_end), so the reaper and deletes wait for it.
     NotFound if the package has gone since the route looked it up."""
@@ -144,8 +147,8 @@ def reading(store: Store, path: str | None, submit: Callable[[], tuple[dict, boo
     except BaseException:
         release(store, path)
         raise
-    if created and op["status"] == OperationStatus.QUEUED:
-        store.at_end[op["id"]] = lambda status, result: (release(store, path), result)[1]
+    if created and op.status == OperationStatus.QUEUED:
+        store.at_end[op.id] = lambda status, result: (release(store, path), result)[1]
     else:  # a retry of an operation recorded before: its own reader, if any, is counted already
         release(store, path)
     return op, created
@@ -166,7 +169,7 @@ class Reading:
         release(self.store, self.path)
 
 
-def remove(store: Store, package_id: str, who: str) -> dict:
+def remove(store: Store, package_id: str, who: str) -> PackageRecord:
     """Delete the caller's package and its files; Conflict while a load of it is in progress."""
     package = owned(store, package_id, who)
     with store.tx() as db:
@@ -175,7 +178,7 @@ def remove(store: Store, package_id: str, who: str) -> dict:
     if not moved:
         raise Conflict(f"checkpoint {package_id!r} is being read (a load, sample or download in progress); "
                        "delete it once that has ended", field="checkpoint_id")
-    shutil.rmtree(package["path"], ignore_errors=True)
+    shutil.rmtree(package.path, ignore_errors=True)
     return package
 
 
@@ -197,28 +200,28 @@ def reap(store: Store, now: float | None = None) -> list[str]:
 
 # ---- copies ----------------------------------------------------------------------------------------
 
-def copy(store: Store, source: dict, who: str, run_id: str, name: str | None = None,
-         ttl_seconds: int | None = None) -> dict:
+def copy(store: Store, source: PackageRecord, who: str, run_id: str, name: str | None = None,
+         ttl_seconds: int | None = None) -> PackageRecord:
     """A new package of `run_id` (the caller's) with the source's kind and files: hard links where the file
     system allows (no bytes duplicated; each copy is deleted on its own), else a byte copy. The source's
     expiry is not inherited; its user_metadata is."""
     check_ttl(ttl_seconds)
     store.get_run(run_id, who)
     package_id = new_id("pkg")
-    target = Path(source["path"]).parent / package_id
-    with Reading(store, source["path"]):
+    target = Path(source.path).parent / package_id
+    with Reading(store, source.path):
         try:
-            shutil.copytree(source["path"], target, copy_function=_link_or_copy)
+            shutil.copytree(source.path, target, copy_function=_link_or_copy)
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
-    package = store.register_package(run_id, who, source["kind"], name or source["name"], str(target),
-                                     source["base_model"], source["has_optimizer"], package_id)
-    values = {"user_metadata": source.get("user_metadata"),
+    package = store.register_package(run_id, who, source.kind, name or source.name, str(target),
+                                     source.base_model, source.has_optimizer, package_id)
+    values = {"user_metadata": source.user_metadata,
               "expires_at": None if ttl_seconds is None else time.time() + ttl_seconds}
     with store.tx() as db:
-        db.execute(update(PackageRow).where(PackageRow.id == package["id"]).values(**values))
-    return {**package, **values}
+        db.execute(update(PackageRow).where(PackageRow.id == package.id).values(**values))
+    return replace(package, **values)
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -228,23 +231,23 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def size_bytes(package: dict) -> int | None:
+def size_bytes(package: PackageRecord) -> int | None:
     """Bytes of the package's files (None once they are gone)."""
-    root = Path(package["path"])
+    root = Path(package.path)
     if not root.is_dir():
         return None
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
 
 
-def files(package: dict) -> list[str]:
+def files(package: PackageRecord) -> list[str]:
     """The package's files, relative to its directory, sorted."""
-    root = Path(package["path"])
+    root = Path(package.path)
     return sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file())
 
 
-def public_packages(store: Store) -> list[dict]:
+def public_packages(store: Store) -> list[PackageRecord]:
     """Every live public package, oldest first."""
     with store.tx() as db:
         rows = db.scalars(select(PackageRow).where(PackageRow.public.is_(True), *_live())
                           .order_by(PackageRow.created_at))
-        return [_row_dict(r) for r in rows]
+        return [record(PackageRecord, r) for r in rows]

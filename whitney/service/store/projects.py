@@ -12,7 +12,8 @@ from sqlalchemy import select, update
 
 from whitney.errors import InvalidInput
 from whitney.service.store.database import Store
-from whitney.service.store.tables import OperationRow, PackageRow, RunRow, SessionRow, _row_dict
+from whitney.service.store.records import OperationRecord, SessionRecord, record
+from whitney.service.store.tables import OperationRow, PackageRow, RunRow, SessionRow
 
 MAX_TAGS = 64
 MAX_LABEL = 256  # characters of a tag, project id or display name (the columns' width)
@@ -31,7 +32,7 @@ def check_labels(tags: list[str] | None = None, project_id: str | None = None,
             raise InvalidInput(f"{name} must be 1 to {MAX_LABEL} characters", field=name)
 
 
-def label(store: Store, session_id: str, who: str, **labels) -> dict:
+def label(store: Store, session_id: str, who: str, **labels) -> SessionRecord:
     """Set any of tags, project_id, display_name on the caller's session (None leaves one as it is)."""
     given = {k: v for k, v in labels.items() if v is not None}
     unknown = set(given) - {"tags", "project_id", "display_name"}
@@ -46,7 +47,7 @@ def label(store: Store, session_id: str, who: str, **labels) -> dict:
 
 def find_sessions(store: Store, who: str, *, tags: list[str] = (), project_ids: list[str] | None = None,
                   display_name: str | None = None, session_id: str | None = None,
-                  user_metadata: dict | None = None, statuses: list[str] | None = None) -> list[dict]:
+                  user_metadata: dict | None = None, statuses: list[str] | None = None) -> list[SessionRecord]:
     """The caller's sessions that match every filter given, newest first. tags: each must be held;
     display_name: every word appears in the name (case-insensitive); with session_id, a session matching
     either the id or the name matches (Tinker's search rule); user_metadata: each pair equal."""
@@ -56,17 +57,18 @@ def find_sessions(store: Store, who: str, *, tags: list[str] = (), project_ids: 
     if statuses is not None:
         q = q.where(SessionRow.status.in_(statuses))
     with store.tx() as db:
-        rows = [_row_dict(r) for r in db.scalars(q.order_by(SessionRow.created_at.desc(), SessionRow.id.desc()))]
+        rows = [record(SessionRecord, r)
+                for r in db.scalars(q.order_by(SessionRow.created_at.desc(), SessionRow.id.desc()))]
     words = display_name.lower().split() if display_name else []
 
-    def named(s: dict) -> bool:
-        by_name = bool(words) and all(w in (s["display_name"] or "").lower() for w in words)
+    def named(s: SessionRecord) -> bool:
+        by_name = bool(words) and all(w in (s.display_name or "").lower() for w in words)
         if session_id is not None:
-            return s["id"] == session_id or by_name
+            return s.id == session_id or by_name
         return by_name or not words
 
-    return [s for s in rows if named(s) and set(tags) <= set(s["tags"] or [])
-            and all((s["user_metadata"] or {}).get(k) == v for k, v in (user_metadata or {}).items())]
+    return [s for s in rows if named(s) and set(tags) <= set(s.tags or [])
+            and all((s.user_metadata or {}).get(k) == v for k, v in (user_metadata or {}).items())]
 
 
 def checkpoint_counts(store: Store, session_ids: list[str]) -> dict[str, int]:
@@ -86,34 +88,34 @@ def session_owner(store: Store, session_id: str) -> str:
         return db.scalar(select(SessionRow.owner).where(SessionRow.id == session_id)) or ""
 
 
-def session_operations(store: Store, session_id: str, who: str) -> list[dict]:
+def session_operations(store: Store, session_id: str, who: str) -> list[OperationRecord]:
     """Every operation of the session's runs, in the order they were made."""
     store.get_session(session_id, who)
     with store.tx() as db:
         q = (select(OperationRow).join(RunRow, OperationRow.run_id == RunRow.id)
              .where(RunRow.session_id == session_id).order_by(OperationRow.created_at))
-        return [_row_dict(r) for r in db.scalars(q)]
+        return [record(OperationRecord, r) for r in db.scalars(q)]
 
 
-def owner_operations(store: Store, who: str, since: float, until: float) -> list[dict]:
+def owner_operations(store: Store, who: str, since: float, until: float) -> list[OperationRecord]:
     """Every operation of the key made in [since, until), sampling ones included, oldest first."""
     with store.tx() as db:
         q = select(OperationRow).where(OperationRow.owner == who, OperationRow.created_at >= since,
                                        OperationRow.created_at < until).order_by(OperationRow.created_at)
-        return [_row_dict(r) for r in db.scalars(q)]
+        return [record(OperationRecord, r) for r in db.scalars(q)]
 
 
-def trace_events(session: dict, operations: list[dict]) -> dict:
+def trace_events(session: SessionRecord, operations: list[OperationRecord]) -> dict:
     """A session's operations as a Chrome trace-event document (Perfetto and chrome://tracing open it): one
     track per run, a complete event per operation from its start (or creation) to its end, microseconds."""
     events = []
     for op in operations:
-        begin = op["started_at"] or op["created_at"]
-        end = op["finished_at"] or begin
-        events.append({"name": op["kind"], "ph": "X", "pid": 1, "tid": op["run_id"] or "sampling",
+        begin = op.started_at or op.created_at
+        end = op.finished_at or begin
+        events.append({"name": op.kind, "ph": "X", "pid": 1, "tid": op.run_id or "sampling",
                        "ts": round(begin * 1e6), "dur": round((end - begin) * 1e6),
-                       "args": {"operation_id": op["id"], "seq_id": op["seq_id"], "status": op["status"],
-                                "queued_at": op["created_at"], "error": (op["error"] or {}).get("code")}})
+                       "args": {"operation_id": op.id, "seq_id": op.seq_id, "status": op.status,
+                                "queued_at": op.created_at, "error": (op.error or {}).get("code")}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"session_id": session["id"], "display_name": session.get("display_name")}}
+            "otherData": {"session_id": session.id, "display_name": session.display_name}}
 

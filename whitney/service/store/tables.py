@@ -2,7 +2,7 @@
 and metrics a training loop logs for its runs, custom losses. `Store.__init__` creates them all (create_all) and
 migrates an older database (migrations.py).
 
-Rows stay inside the store: database.py's methods turn them into plain dicts (`_row_dict`).
+Rows stay inside the store: its functions return typed records instead (records.py).
 """
 
 from __future__ import annotations
@@ -164,10 +164,6 @@ class CustomLossRow(Base):
     definition: Mapped[dict] = mapped_column(JSON)  # {name, inputs, graph}
     body_digest: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[float] = mapped_column(Float)
-
-
-def _row_dict(row) -> dict:
-    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
 
 
 def new_id(prefix: str) -> str:

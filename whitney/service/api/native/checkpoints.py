@@ -17,6 +17,7 @@ from whitney.service.api.native import schemas
 from whitney.service.http import signing
 from whitney.service.http.deps import Owner, State
 from whitney.service.store import packages
+from whitney.service.store.records import PackageRecord
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
 URL_SECONDS = 3600  # how long a signed download URL works
@@ -27,8 +28,8 @@ def list_checkpoints(st: State, who: Owner, run_id: str | None = None, kind: str
                      public: bool = False):
     """The caller's packages (or, with public=true, every key's public ones), oldest first."""
     if public:
-        return [p for p in packages.public_packages(st.store) if run_id in (None, p["run_id"])
-                and kind in (None, p["kind"])]
+        return [p for p in packages.public_packages(st.store) if run_id in (None, p.run_id)
+                and kind in (None, p.kind)]
     return st.store.list_packages(who, run_id, kind)
 
 
@@ -79,15 +80,15 @@ def download_checkpoint(package_id: str, st: State, who: Owner):
     """The package directory as a tar archive (a PEFT adapter, a merged model, or a saved state)."""
     package = st.store.get_package(package_id, who)
     buf = io.BytesIO()
-    with packages.Reading(st.store, package["path"]) as root, tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(root, arcname=f"{package['name']}-v{package['version']}")
+    with packages.Reading(st.store, package.path) as root, tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(root, arcname=f"{package.name}-v{package.version}")
     return Response(buf.getvalue(), media_type="application/x-tar", headers={
-        "Content-Disposition": f'attachment; filename="{package["name"]}-v{package["version"]}.tar"'})
+        "Content-Disposition": f'attachment; filename="{package.name}-v{package.version}.tar"'})
 
 
-def signed_urls(request: Request, package: dict) -> dict:
+def signed_urls(request: Request, package: PackageRecord) -> dict:
     """A signed URL per file of the package: GET it with no key until `expires_at` (unix seconds)."""
-    package_id, expires = package["id"], int(time.time()) + URL_SECONDS
+    package_id, expires = package.id, int(time.time()) + URL_SECONDS
     base = f"{request.url.scheme}://{request.url.netloc}/v1/signed/checkpoints/{package_id}/{expires}"
     return {"urls": {f: f"{base}/{signing.sign(f'{package_id}/{expires}/{f}')}/{f}" for f in packages.files(package)},
             "expires_at": float(expires)}
@@ -108,7 +109,7 @@ def signed_file(package_id: str, expires: int, signature: str, path: str, st: St
     package = st.store.get_package(package_id)
     if path not in packages.files(package):
         raise NotFound(f"no file {path!r} in the package", field="path")
-    with packages.Reading(st.store, package["path"]) as root:
+    with packages.Reading(st.store, package.path) as root:
         data = (Path(root) / path).read_bytes()
     return Response(data, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{Path(path).name}"'})

@@ -19,18 +19,20 @@ from whitney.service.store import custom_losses
 from whitney.service.store.database import digest
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationKind, RunStatus
 from whitney.service.store.packages import reading
+from whitney.service.store.records import OperationRecord
 
 router = APIRouter(prefix="/v1", tags=["operations"])
 MAX_WAIT = 30.0
 
 
-def submit(st: ServiceState, who: str, run_id: str, kind: str, body: schemas.Wire, job: Job | None) -> dict:
+def submit(st: ServiceState, who: str, run_id: str, kind: str, body: schemas.Wire,
+           job: Job | None) -> OperationRecord:
     """`enqueue` a native request: its digest is the body's."""
     return enqueue(st, who, run_id, body.seq_id, kind, digest({"kind": kind, **body.model_dump()}), job)
 
 
 def enqueue(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str,
-            job: Job | None) -> dict:
+            job: Job | None) -> OperationRecord:
     """Record (run, seq_id) in the store (a retry with the same body returns the same operation) and queue
     its job (None: only a retry of an ended run's operation, which is never queued again). Shared with
     the Tinker routes. The store checks the run (404, 409 once it has ended) and the quota (429, never for
@@ -57,10 +59,11 @@ def shown_config(job: Job | None) -> dict | None:
     return None
 
 
-def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPayload, backward: bool) -> dict:
+def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPayload,
+             backward: bool) -> OperationRecord:
     run = st.store.get_run(run_id, who)
     kind = OperationKind.FORWARD_BACKWARD if backward else OperationKind.FORWARD
-    if run["status"] != RunStatus.ACTIVE:  # only a retry of a seq_id the ended run has (the store refuses others)
+    if run.status != RunStatus.ACTIVE:  # only a retry of a seq_id the ended run has (the store refuses others)
         return submit(st, who, run_id, kind, body, None)
     # Image chunks read (asset pointers from allowed directories) and checked against the image limits.
     data = images.datums([d.model_dump() for d in body.data], images.ImageBudget(st.limits))
@@ -68,7 +71,7 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     check_operation(st.limits, lengths)  # before the backend looks at any of it
     with_images = next((i for i, d in enumerate(data) if images.has_images(d.token_ids)), None)
     if with_images is not None:
-        images.refuse_images(st.model_info(run["base_model"]), run["base_model"], f"data[{with_images}].input.chunks",
+        images.refuse_images(st.model_info(run.base_model), run.base_model, f"data[{with_images}].input.chunks",
                              with_images)
     # loss "custom": {"loss_id": id} becomes the stored definition (routes/custom_losses.py).
     config = custom_losses.resolve(st.store, who, body.loss_function, body.loss_config)
@@ -103,19 +106,20 @@ def optim_step(run_id: str, body: schemas.OptimStep, st: State, who: Owner):
     return submit(st, who, run_id, OperationKind.OPTIM_STEP, body, job)
 
 
-def _load(st: ServiceState, who: str, run_id: str, body: schemas.LoadState, with_optimizer: bool) -> dict:
+def _load(st: ServiceState, who: str, run_id: str, body: schemas.LoadState,
+          with_optimizer: bool) -> OperationRecord:
     run = st.store.get_run(run_id, who)
-    if run["resume_from"] is not None and body.seq_id == 0:
+    if run.resume_from is not None and body.seq_id == 0:
         raise Conflict("this run was bound to a checkpoint at creation; load_state as its first operation as "
                        "well is refused (do one or the other)", field="seq_id")
     package = st.store.get_package(body.checkpoint_id, who)
-    if package["kind"] not in (PackageKind.STATE, PackageKind.SAMPLER):
-        raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export, not a saved state",
+    if package.kind not in (PackageKind.STATE, PackageKind.SAMPLER):
+        raise InvalidInput(f"checkpoint {package.id} is a {package.kind} export, not a saved state",
                            field="checkpoint_id")
-    if with_optimizer and not package["has_optimizer"]:
+    if with_optimizer and not package.has_optimizer:
         raise InvalidInput("the checkpoint has no optimizer state; use load_state", field="checkpoint_id")
     kind = OperationKind.LOAD_STATE_WITH_OPTIMIZER if with_optimizer else OperationKind.LOAD_STATE
-    return submit(st, who, run_id, kind, body, LoadJob(package["path"], package["id"]))
+    return submit(st, who, run_id, kind, body, LoadJob(package.path, package.id))
 
 
 @router.post("/runs/{run_id}/load_state", response_model=schemas.Operation, status_code=202)
@@ -163,7 +167,7 @@ async def get_operation(op_id: str, st: State, who: Owner,
                         wait: float = Query(0.0, ge=0.0, le=MAX_WAIT, description="long-poll up to this many seconds")):
     """An operation's state; with `wait`, held until it is terminal or the wait ends."""
     op = st.store.get_operation(op_id, who)
-    if wait > 0 and op["status"] not in OPERATION_TERMINAL:
+    if wait > 0 and op.status not in OPERATION_TERMINAL:
         await st.scheduler.wait(op_id, wait)
         op = st.store.get_operation(op_id, who)
     return op

@@ -14,6 +14,7 @@ from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.scheduling.limits import check_operation, check_stops
 from whitney.service.store.lifecycle import RUN_OPEN, OperationKind
 from whitney.service.store.packages import reading
+from whitney.service.store.records import OperationRecord
 
 router = APIRouter(prefix="/v1", tags=["sampling"])
 
@@ -31,22 +32,22 @@ def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[Weight
         if ref.version is None:
             raise InvalidInput("sampling a run needs a version from save_weights_for_sampler", field="version")
         # Checked now: a 404, not a queued operation that fails later.
-        version = st.store.sampler_version(run["id"], ref.version)
+        version = st.store.sampler_version(run.id, ref.version)
         if version is None:
             raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
-        if run["status"] in RUN_OPEN:  # the backend holds the run, and so the version, in memory
-            return Weights(run_id=ref.run_id, version=ref.version), run["base_model"]
-        if version["deleted"]:  # the run has ended and the version's package was deleted with it
+        if run.status in RUN_OPEN:  # the backend holds the run, and so the version, in memory
+            return Weights(run_id=ref.run_id, version=ref.version), run.base_model
+        if version.deleted:  # the run has ended and the version's package was deleted with it
             raise NotFound(f"run {ref.run_id!r} has no sampler version {ref.version}", field="version")
-        return Weights(checkpoint_path=version["path"]), run["base_model"]
+        return Weights(checkpoint_path=version.path), run.base_model
     if ref.version is not None:
         raise InvalidInput("version goes with run_id", field="version")
     if ref.checkpoint_id is not None:
         package = st.store.get_package(ref.checkpoint_id, who)
-        if package["kind"] not in (PackageKind.STATE, PackageKind.SAMPLER):
-            raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export; sample from a saved "
+        if package.kind not in (PackageKind.STATE, PackageKind.SAMPLER):
+            raise InvalidInput(f"checkpoint {package.id} is a {package.kind} export; sample from a saved "
                                "state or sampler version", field="checkpoint_id")
-        return Weights(checkpoint_path=package["path"]), package["base_model"]
+        return Weights(checkpoint_path=package.path), package.base_model
     base_model = ref.base_model or st.models[0]
     if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
@@ -75,7 +76,7 @@ def wire_input(tokens_or_chunks: list) -> list:
 
 
 def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: list,
-                 params: SamplingParams) -> dict:
+                 params: SamplingParams) -> OperationRecord:
     """Validate and queue one sampling operation; shared with the Tinker routes. `prompt`: token ids, or
     chunks (token lists and the engine's ImageInputs, already checked by images.prompt)."""
     check_stops(st.limits, params.stop)

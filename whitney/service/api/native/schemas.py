@@ -59,9 +59,10 @@ def exact_integer_bounds(app) -> None:
 
 
 class Out(BaseModel):
-    """A response: built from store rows, showing only the declared fields."""
+    """A response: built from the store's records (read as attributes) or from dicts, showing only the declared
+    fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", from_attributes=True)
 
 
 class Error(Out):

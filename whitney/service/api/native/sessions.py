@@ -19,6 +19,7 @@ from whitney.service.scheduling.limits import check_metadata
 from whitney.service.store import packages, projects
 from whitney.service.store.keys import key_digest, presented_key
 from whitney.service.store.lifecycle import RunStatus, SessionStatus
+from whitney.service.store.records import OperationRecord, RunRecord
 from whitney.service.store.tables import new_id
 
 router = APIRouter(prefix="/v1", tags=["sessions"])
@@ -29,7 +30,7 @@ def create_session(body: schemas.SessionCreate, st: State, who: Owner):
     check_metadata(st.limits, body.user_metadata)
     st.quotas.check_session(who)
     session = st.store.create_session(who, body.user_metadata)
-    return projects.label(st.store, session["id"], who, tags=body.tags, project_id=body.project_id,
+    return projects.label(st.store, session.id, who, tags=body.tags, project_id=body.project_id,
                           display_name=body.display_name)
 
 
@@ -57,8 +58,10 @@ def session_operations(session_id: str, st: State, who: Owner):
     return [trace_event(op) for op in projects.session_operations(st.store, session_id, who)]
 
 
-def trace_event(op: dict) -> dict:
-    return {**op, "operation_id": op["id"], "error_code": (op["error"] or {}).get("code")}
+def trace_event(op: OperationRecord) -> dict:
+    return {"operation_id": op.id, "kind": op.kind, "run_id": op.run_id, "seq_id": op.seq_id, "status": op.status,
+            "created_at": op.created_at, "started_at": op.started_at, "finished_at": op.finished_at,
+            "error_code": (op.error or {}).get("code")}
 
 
 @router.get("/sessions/{session_id}/trace")
@@ -101,7 +104,7 @@ def whoami(st: State, who: Owner, authorization: Annotated[str | None, Header()]
 def identity(st: ServiceState, who: str, credential: str | None) -> dict:
     digest = key_digest(credential) if who else None
     row = st.store.find_key(digest) if digest else None
-    return {"key_id": row["id"] if row else None, "name": row["name"] if row else None, "owner": who}
+    return {"key_id": row.id if row else None, "name": row.name if row else None, "owner": who}
 
 
 @router.get("/sessions/{session_id}", response_model=schemas.Session)
@@ -120,8 +123,8 @@ def close_session(session_id: str, st: State, who: Owner):
     st.store.get_session(session_id, who)
     st.store.end_session(session_id, SessionStatus.CLOSED)
     for run in st.store.runs_of_session(session_id):
-        if st.store.set_run_status(run["id"], RunStatus.CANCELLING):  # an active or finishing run
-            st.scheduler.cancel_run(run["id"], "session closed")
+        if st.store.set_run_status(run.id, RunStatus.CANCELLING):  # an active or finishing run
+            st.scheduler.cancel_run(run.id, "session closed")
     return st.store.get_session(session_id, who)
 
 
@@ -132,39 +135,39 @@ async def create_run(session_id: str, body: schemas.RunCreate, st: State, who: O
 
 
 async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.RunCreate,
-                   run_id: str | None = None, also: str | None = None) -> dict:
+                   run_id: str | None = None, also: str | None = None) -> RunRecord:
     """Create a run (adapter in the engine first, then the row); shared with the Tinker routes. It may resume
     from the caller's checkpoint, a public one, or one of `also` (a second key the caller presented)."""
     check_metadata(st.limits, body.user_metadata)
     session = st.store.get_session(session_id, who)
-    if session["status"] != SessionStatus.ACTIVE:
-        raise Conflict(f"session {session_id!r} is {session['status']}", field="session_id")
+    if session.status != SessionStatus.ACTIVE:
+        raise Conflict(f"session {session_id!r} is {session.status}", field="session_id")
     base_model, lora, resume_path = body.base_model, body.lora.model_dump(), None
     if body.resume_from is not None:
         package = packages.readable(st.store, body.resume_from.checkpoint_id, who, also)
-        if package["kind"] not in (PackageKind.STATE, PackageKind.SAMPLER):
-            raise InvalidInput(f"checkpoint {package['id']} is a {package['kind']} export, not a saved state",
+        if package.kind not in (PackageKind.STATE, PackageKind.SAMPLER):
+            raise InvalidInput(f"checkpoint {package.id} is a {package.kind} export, not a saved state",
                                field="resume_from.checkpoint_id")
-        if body.resume_from.with_optimizer and not package["has_optimizer"]:
+        if body.resume_from.with_optimizer and not package.has_optimizer:
             raise InvalidInput("the checkpoint has no optimizer state; resume with with_optimizer=false",
                                field="resume_from.with_optimizer")
-        base_model = base_model or package["base_model"]
+        base_model = base_model or package.base_model
         if "lora" not in body.model_fields_set:  # the checkpoint's own LoRA geometry
-            lora = st.store.get_run(package["run_id"])["lora"]
-        resume_path = package["path"]
+            lora = st.store.get_run(package.run_id).lora
+        resume_path = package.path
     base_model = base_model or st.models[0]
     if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
     st.quotas.check_run(who, base_model, lora)  # the key's live runs and their adapters' memory
-    run = {"id": run_id or new_id("run"), "base_model": base_model, "lora": lora,
-           "resume_with_optimizer": bool(body.resume_from and body.resume_from.with_optimizer)}
+    run_id = run_id or new_id("run")
+    with_optimizer = bool(body.resume_from and body.resume_from.with_optimizer)
     # The engine validates the LoRA config against the model; only then is the run recorded. The checkpoint counts
     # as read while it loads, so the TTL reaper (packages.py) does not delete it under the load.
     with packages.Reading(st.store, resume_path) if resume_path else contextlib.nullcontext():
-        await asyncio.wrap_future(st.scheduler.open_run(run, resume_path))
+        await asyncio.wrap_future(st.scheduler.open_run(run_id, base_model, lora, resume_path, with_optimizer))
     return st.store.create_run(session_id, who, base_model, lora,
                                body.resume_from.checkpoint_id if body.resume_from else None,
-                               run["resume_with_optimizer"], body.user_metadata, run_id=run["id"])
+                               with_optimizer, body.user_metadata, run_id=run_id)
 
 
 @router.get("/sessions/{session_id}/runs", response_model=list[schemas.Run])
@@ -183,7 +186,7 @@ async def finish_run(run_id: str, st: State, who: Owner):
     """Run what is queued, then mark the run finished (finished at once when nothing is queued)."""
     st.store.get_run(run_id, who)
     if not st.store.set_run_status(run_id, RunStatus.FINISHING):  # only an active run
-        raise Conflict(f"run {run_id!r} is {st.store.get_run(run_id)['status']}", field="run_id")
+        raise Conflict(f"run {run_id!r} is {st.store.get_run(run_id).status}", field="run_id")
     await asyncio.wrap_future(st.scheduler.finish_run(run_id))
     return st.store.get_run(run_id, who)
 

@@ -85,7 +85,7 @@ def weights_ref(st: ServiceState, who: str, model: str) -> WeightsRef:
                 raise InvalidInput(f"model {model!r} names an external_weights export, which does not sample: a "
                                    "Tinker path here is tinker://<run_id>/sampler_weights/<name> (or .../weights/"
                                    "<name>)", field="model")
-            return WeightsRef(checkpoint_id=resolve_path(st, who, model)["id"])
+            return WeightsRef(checkpoint_id=resolve_path(st, who, model).id)
         except WhitneyError as e:
             raise renamed(e, {"path": "model"}) from None
     run_id, at, version = model.rpartition("@")
@@ -158,21 +158,21 @@ def start(st: ServiceState, who: str, body: wire.Sampling, chat: bool) -> Starte
     st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
     op, _ = st.store.submit_operation(who, None, None, OperationKind.SAMPLE, "")
     listener = st.scheduler.submit_sample(op, prompt, params, weights, stream=bool(body.stream))
-    return Started(op["id"], body.model, base_model, prompt, n, stops, listener, int(time.time()))
+    return Started(op.id, body.model, base_model, prompt, n, stops, listener, int(time.time()))
 
 
 async def ended(st: ServiceState, job: Started) -> dict:
     """The sampling operation's result once it is terminal (its error raised as what it is)."""
     while True:
         op = st.store.get_operation(job.op_id)
-        if op["status"] in OPERATION_TERMINAL:
+        if op.status in OPERATION_TERMINAL:
             break
         await st.scheduler.wait(job.op_id, 30.0)
-    if op["status"] != OperationStatus.SUCCEEDED:
-        error = op["error"] or {"code": "cancelled", "message": "the sample was cancelled"}
+    if op.status != OperationStatus.SUCCEEDED:
+        error = op.error or {"code": "cancelled", "message": "the sample was cancelled"}
         raise_failure(Failure(error["code"], error["message"], error.get("category", FailureCategory.USER),
                               error.get("field")))
-    return op["result"]
+    return op.result
 
 
 class Choices:

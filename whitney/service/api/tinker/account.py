@@ -23,17 +23,18 @@ from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.store import projects
 from whitney.service.store.keys import key_digest, presented_key
 from whitney.service.store.lifecycle import OperationKind, SessionStatus
+from whitney.service.store.records import KeyRecord
 
 router = APIRouter()
 ORG = "whitney"
 
 
-def user_urn(st: ServiceState, who: str, credential: str | None) -> tuple[str, dict | None]:
+def user_urn(st: ServiceState, who: str, credential: str | None) -> tuple[str, KeyRecord | None]:
     """The caller's URN and its key row (None for --api-key keys and no key)."""
     digest = key_digest(credential) if who else None
     row = st.store.find_key(digest) if digest else None
     if row is not None:
-        return f"tml:user:whitney-key:{row['id']}", row
+        return f"tml:user:whitney-key:{row.id}", row
     return (f"tml:user:whitney-key:{who}" if who else "tml:user:whitney-anonymous"), None
 
 
@@ -43,7 +44,7 @@ def auth_token(st: State, who: Owner, x_api_key: Annotated[str | None, Header()]
     """A JWT for the presented key (signing.py): the SDK sends it instead of the key from then on."""
     credential = presented_key(authorization, x_api_key)
     urn, row = user_urn(st, who, credential)
-    return {"jwt": signing.mint_jwt({"sub": urn, "org_id": ORG, "email": "", "name": row["name"] if row else None,
+    return {"jwt": signing.mint_jwt({"sub": urn, "org_id": ORG, "email": "", "name": row.name if row else None,
                                      "key_digest": key_digest(credential) if who else None})}
 
 
@@ -111,17 +112,17 @@ def search_sessions(body: Search, request: Request, st: State, who: Owner) -> di
     if body.cursor is not None:
         # compared as the datetimes the cursor was written from (microseconds), not as floats
         after = (cursor_time(body.cursor.last_created_at), body.cursor.last_session_id)
-        found = [s for s in found if (datetime.fromtimestamp(s["created_at"], timezone.utc), s["id"]) < after]
+        found = [s for s in found if (datetime.fromtimestamp(s.created_at, timezone.utc), s.id) < after]
     page = found[:body.limit]
-    counts = projects.checkpoint_counts(st.store, [s["id"] for s in page])
+    counts = projects.checkpoint_counts(st.store, [s.id for s in page])
     last = page[-1] if len(found) > body.limit else None
     return {"sessions": [{
-        "session_id": s["id"], "created_at": iso(s["created_at"]), "owner": urn, "project_id": s["project_id"] or "",
-        "status": {"type": "active"} if s["status"] == SessionStatus.ACTIVE else None,
-        "checkpoints_count": counts[s["id"]], "display_name": s["display_name"],
-        "user_metadata": {k: str(v) for k, v in (s["user_metadata"] or {}).items()}} for s in page],
-        "next_cursor": None if last is None else {"last_created_at": iso(last["created_at"]),
-                                                  "last_session_id": last["id"]}}
+        "session_id": s.id, "created_at": iso(s.created_at), "owner": urn, "project_id": s.project_id or "",
+        "status": {"type": "active"} if s.status == SessionStatus.ACTIVE else None,
+        "checkpoints_count": counts[s.id], "display_name": s.display_name,
+        "user_metadata": {k: str(v) for k, v in (s.user_metadata or {}).items()}} for s in page],
+        "next_cursor": None if last is None else {"last_created_at": iso(last.created_at),
+                                                  "last_session_id": last.id}}
 
 
 def cursor_time(text: str) -> datetime:
@@ -156,10 +157,10 @@ def audit_log(st: State, who: Owner, day: date | None = None,
     start = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
     ops = projects.owner_operations(st.store, who, start.timestamp(), (start + timedelta(days=1)).timestamp())
     if event_type != "all":
-        ops = [op for op in ops if event_type == "checkpoints" and op["kind"] in CHECKPOINT_KINDS]
+        ops = [op for op in ops if event_type == "checkpoints" and op.kind in CHECKPOINT_KINDS]
     return {"entries": [{
-        "timestamp": iso(op["created_at"]), "event": f"operation_{op['kind']}", "model_id": op["run_id"],
-        "event_details": {"operation_id": op["id"], "run_id": op["run_id"], "seq_id": op["seq_id"],
-                          "status": op["status"], "started_at": iso(op["started_at"]),
-                          "finished_at": iso(op["finished_at"]), "error": (op["error"] or {}).get("code")}}
+        "timestamp": iso(op.created_at), "event": f"operation_{op.kind}", "model_id": op.run_id,
+        "event_details": {"operation_id": op.id, "run_id": op.run_id, "seq_id": op.seq_id,
+                          "status": op.status, "started_at": iso(op.started_at),
+                          "finished_at": iso(op.finished_at), "error": (op.error or {}).get("code")}}
         for op in ops]}

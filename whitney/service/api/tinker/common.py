@@ -28,6 +28,7 @@ from whitney.service.api.native import schemas
 from whitney.service.http.deps import ServiceState
 from whitney.service.store import packages
 from whitney.service.store.lifecycle import OperationStatus
+from whitney.service.store.records import PackageRecord
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # the native package-name rule
 SEGMENT_KIND = {"weights": PackageKind.STATE, "sampler_weights": PackageKind.SAMPLER,
@@ -80,8 +81,13 @@ def native_seq(seq_id: int | None) -> int:
     return seq_id - 1
 
 
-def tinker_path(package: dict) -> str:
-    return f"tinker://{package['run_id']}/{KIND_SEGMENT[package['kind']]}/{package['name']}"
+def tinker_path(package: PackageRecord) -> str:
+    return path_of(package.run_id, package.kind, package.name)
+
+
+def path_of(run_id: str, kind: str, name: str) -> str:
+    """The tinker:// path of a package's newest version (a stored result's package: its "run_id", "kind", "name")."""
+    return f"tinker://{run_id}/{KIND_SEGMENT[kind]}/{name}"
 
 
 def parse_path(path: str) -> tuple[str, str, str]:
@@ -94,26 +100,26 @@ def parse_path(path: str) -> tuple[str, str, str]:
     return parts[0], SEGMENT_KIND[parts[1]], parts[2]
 
 
-def packages_named(st: ServiceState, who: str, run_id: str, kind: str, name: str) -> list[dict]:
+def packages_named(st: ServiceState, who: str, run_id: str, kind: str, name: str) -> list[PackageRecord]:
     """Every live version of one checkpoint name of the caller's own run, oldest first (what writes act on)."""
     st.store.get_run(run_id, who)
-    return [p for p in st.store.list_packages(who, run_id, kind) if p["name"] == name]
+    return [p for p in st.store.list_packages(who, run_id, kind) if p.name == name]
 
 
-def resolve_path(st: ServiceState, who: str, path: str, also: str | None = None) -> dict:
+def resolve_path(st: ServiceState, who: str, path: str, also: str | None = None) -> PackageRecord:
     """The package a tinker:// path names (its newest version): the caller's, else one of `also` (the owner
     of a weights access token the caller presented), else a public one."""
     run_id, kind, name = parse_path(path)
     for owner in (who, also):
-        found = [p for p in st.store.list_packages(owner, run_id, kind) if p["name"] == name] if owner is not None \
+        found = [p for p in st.store.list_packages(owner, run_id, kind) if p.name == name] if owner is not None \
             else []
         if found:
-            return max(found, key=lambda p: p["version"])
+            return max(found, key=lambda p: p.version)
     found = [p for p in packages.public_packages(st.store)
-             if (p["run_id"], p["kind"], p["name"]) == (run_id, kind, name)]
+             if (p.run_id, p.kind, p.name) == (run_id, kind, name)]
     if not found:
         raise NotFound(f"no checkpoint {path!r}", field="path")
-    return max(found, key=lambda p: p["version"])
+    return max(found, key=lambda p: p.version)
 
 
 def access_owner(st: ServiceState, token: str | None) -> str | None:
@@ -125,12 +131,12 @@ def sampler_ref(st: ServiceState, sampler: Sampler) -> schemas.WeightsRef:
     """The native weights reference a sampler samples from."""
     if sampler.op_id is not None:
         op = st.store.get_operation(sampler.op_id)
-        if op["status"] != OperationStatus.SUCCEEDED:
+        if op.status != OperationStatus.SUCCEEDED:
             raise InvalidInput(f"the weights of this sampler were not saved (save_weights_for_sampler "
-                               f"is {op['status']})", field="sampling_session_id")
-        return schemas.WeightsRef(run_id=op["run_id"], version=op["result"]["version"])
+                               f"is {op.status})", field="sampling_session_id")
+        return schemas.WeightsRef(run_id=op.run_id, version=op.result["version"])
     if sampler.model_path is not None:
-        return schemas.WeightsRef(checkpoint_id=resolve_path(st, sampler.owner, sampler.model_path)["id"])
+        return schemas.WeightsRef(checkpoint_id=resolve_path(st, sampler.owner, sampler.model_path).id)
     return schemas.WeightsRef(base_model=sampler.base_model)
 
 
@@ -144,13 +150,13 @@ def iso(t: float | None) -> str | None:
     return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat()
 
 
-def checkpoint(package: dict) -> dict[str, Any]:
+def checkpoint(package: PackageRecord) -> dict[str, Any]:
     """A package as Tinker's Checkpoint (its user_metadata values as strings, as Tinker's type has them)."""
-    metadata = package.get("user_metadata")
-    return {"checkpoint_id": f"{KIND_SEGMENT[package['kind']]}/{package['name']}",
-            "checkpoint_type": CHECKPOINT_TYPE[package["kind"]], "time": iso(package["created_at"]),
+    metadata = package.user_metadata
+    return {"checkpoint_id": f"{KIND_SEGMENT[package.kind]}/{package.name}",
+            "checkpoint_type": CHECKPOINT_TYPE[package.kind], "time": iso(package.created_at),
             "tinker_path": tinker_path(package), "size_bytes": packages.size_bytes(package),
-            "public": bool(package.get("public")), "expires_at": iso(package.get("expires_at")),
+            "public": bool(package.public), "expires_at": iso(package.expires_at),
             "user_metadata": None if metadata is None else {
                 k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}}
 

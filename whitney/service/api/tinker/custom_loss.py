@@ -38,5 +38,5 @@ def create_custom_loss(body: CreateCustomLoss, st: State, who: Owner) -> dict:
     row = custom_losses.create(st.store, who, definition, st.scheduler.backend.check_custom_loss,
                                session_id=body.session_id,
                                loss_id=f"{body.session_id}:loss:{body.custom_loss_seq_id}")
-    op = finished_op(st, who, OperationKind.CREATE_CUSTOM_LOSS, {"loss_id": row["id"], "type": "create_custom_loss"})
+    op = finished_op(st, who, OperationKind.CREATE_CUSTOM_LOSS, {"loss_id": row.id, "type": "create_custom_loss"})
     return future(op)

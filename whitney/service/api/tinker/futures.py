@@ -35,21 +35,21 @@ class FutureRef(TinkerBody):
             "queue_state": {"type": "string"}}}}}}})
 async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
     op = st.store.get_operation(body.request_id, who)
-    if op["status"] not in OPERATION_TERMINAL:
-        await st.scheduler.wait(op["id"], MAX_WAIT)
-        op = st.store.get_operation(op["id"], who)
-    if op["status"] not in OPERATION_TERMINAL:
-        return JSONResponse(status_code=408, content={"type": "try_again", "request_id": op["id"],
+    if op.status not in OPERATION_TERMINAL:
+        await st.scheduler.wait(op.id, MAX_WAIT)
+        op = st.store.get_operation(op.id, who)
+    if op.status not in OPERATION_TERMINAL:
+        return JSONResponse(status_code=408, content={"type": "try_again", "request_id": op.id,
                                                       "queue_state": "active"})
-    if op["status"] != OperationStatus.SUCCEEDED:
-        error = op["error"] or {}
-        return {"error": error.get("message", op["status"]), "category": error.get("category", FailureCategory.USER)}
-    if op["kind"] in (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD):
-        return Response(proto.encode_forward_backward_output(op["result"]), media_type=PROTOBUF)
-    if op["kind"] == OperationKind.SAMPLE:
-        return Response(proto.encode_sample_response(op["result"]), media_type=PROTOBUF)
+    if op.status != OperationStatus.SUCCEEDED:
+        error = op.error or {}
+        return {"error": error.get("message", op.status), "category": error.get("category", FailureCategory.USER)}
+    if op.kind in (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD):
+        return Response(proto.encode_forward_backward_output(op.result), media_type=PROTOBUF)
+    if op.kind == OperationKind.SAMPLE:
+        return Response(proto.encode_sample_response(op.result), media_type=PROTOBUF)
     out = training.result(op, st)
-    sampler_id = ts.sampler_of_op.get(op["id"])
+    sampler_id = ts.sampler_of_op.get(op.id)
     if sampler_id is not None:
         out = {**out, "path": None, "sampling_session_id": sampler_id}
     return out

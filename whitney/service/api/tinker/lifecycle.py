@@ -19,12 +19,13 @@ from whitney.service.api.tinker.session import labelled_session
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.store import packages
 from whitney.service.store.lifecycle import RunStatus, SessionStatus
+from whitney.service.store.records import PackageRecord
 
 router = APIRouter()
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"
 
 
-def versions(st: ServiceState, who: str, run_id: str, checkpoint_id: str) -> list[dict]:
+def versions(st: ServiceState, who: str, run_id: str, checkpoint_id: str) -> list[PackageRecord]:
     """Every version of the caller's checkpoint `weights/{name}`, `sampler_weights/{name}` or
     `external_weights/{name}` of that run (404 when there is none)."""
     segment, _, name = checkpoint_id.partition("/")
@@ -43,14 +44,14 @@ def set_ttl(run_id: str, checkpoint_id: str, body: Ttl, st: State, who: Owner) -
     """Expire the checkpoint ttl_seconds from now (the server then deletes it); null removes the expiry."""
     packages.check_ttl(body.ttl_seconds)
     for package in versions(st, who, run_id, checkpoint_id):
-        packages.settle(st.store, package["id"], who, ttl_seconds=body.ttl_seconds, clear_ttl=body.ttl_seconds is None)
+        packages.settle(st.store, package.id, who, ttl_seconds=body.ttl_seconds, clear_ttl=body.ttl_seconds is None)
 
 
 def _publish(st: ServiceState, who: str, run_id: str, checkpoint_id: str, public: bool) -> None:
     moved = 0
     for package in versions(st, who, run_id, checkpoint_id):
         try:
-            packages.publish(st.store, package["id"], who, public)
+            packages.publish(st.store, package.id, who, public)
             moved += 1
         except Conflict:
             pass
@@ -74,7 +75,7 @@ def unpublish(run_id: str, checkpoint_id: str, st: State, who: Owner) -> None:
 def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, st: State, who: Owner) -> dict:
     """A signed URL per file of a PEFT export: a plain GET fetches it, no key needed, for an hour."""
     package = resolve_path(st, who, f"tinker://{run_id}/{checkpoint_id}")
-    if package["kind"] != PackageKind.LORA:
+    if package.kind != PackageKind.LORA:
         raise InvalidInput("only external_weights checkpoints have download URLs", field="checkpoint_id")
     found = signed_urls(request, package)
     return {"urls": found["urls"], "expires": iso(found["expires_at"])}
@@ -109,7 +110,7 @@ def copy_weights(body: CopyWeights, st: State, who: Owner, ts: Tinker,
         session_id = body.session_id
     elif body.destination_project_id is not None:
         st.quotas.check_session(who)
-        session_id = labelled_session(st, who, {}, project_id=body.destination_project_id)["id"]
+        session_id = labelled_session(st, who, {}, project_id=body.destination_project_id).id
     else:
         raise InvalidInput("give destination_project_id, or session_id with model_seq_id",
                            field="destination_project_id")
@@ -117,8 +118,8 @@ def copy_weights(body: CopyWeights, st: State, who: Owner, ts: Tinker,
     try:
         st.store.get_run(run_id, who)
     except NotFound:  # a run that holds the copy and is never trained (finished at once: it holds no adapter)
-        lora = st.store.get_run(source["run_id"])["lora"]
-        st.store.create_run(session_id, who, source["base_model"], lora, None, False, {"copied_from": body.source_path},
+        lora = st.store.get_run(source.run_id).lora
+        st.store.create_run(session_id, who, source.base_model, lora, None, False, {"copied_from": body.source_path},
                             run_id=run_id)
         st.store.set_run_status(run_id, RunStatus.FINISHED)
     if body.session_id is None:

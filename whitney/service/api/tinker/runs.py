@@ -10,30 +10,31 @@ from whitney.service.api.tinker.common import (KIND_SEGMENT, SEGMENT_KIND, Tinke
                                                resolve_path)
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.store.lifecycle import RunStatus
+from whitney.service.store.records import PackageRecord, RunRecord
 from whitney.service.store.packages import remove
 
 router = APIRouter()
 
 
-def _newest_per_name(packages: list[dict]) -> list[dict]:
+def _newest_per_name(packages: list[PackageRecord]) -> list[PackageRecord]:
     """One checkpoint per (kind, name): its newest version, as a tinker:// path names it."""
-    newest: dict[tuple[str, str], dict] = {}
+    newest: dict[tuple[str, str], PackageRecord] = {}
     for p in packages:
-        if p["kind"] in KIND_SEGMENT:
-            key = (p["kind"], p["name"])
-            if key not in newest or p["version"] > newest[key]["version"]:
+        if p.kind in KIND_SEGMENT:
+            key = (p.kind, p.name)
+            if key not in newest or p.version > newest[key].version:
                 newest[key] = p
-    return sorted(newest.values(), key=lambda p: p["created_at"])
+    return sorted(newest.values(), key=lambda p: p.created_at)
 
 
-def training_run(st: ServiceState, who: str, run: dict) -> dict:
-    packages = _newest_per_name(st.store.list_packages(who, run["id"]))
-    last = {kind: next((checkpoint(p) for p in reversed(packages) if p["kind"] == kind), None)
+def training_run(st: ServiceState, who: str, run: RunRecord) -> dict:
+    packages = _newest_per_name(st.store.list_packages(who, run.id))
+    last = {kind: next((checkpoint(p) for p in reversed(packages) if p.kind == kind), None)
             for kind in (PackageKind.STATE, PackageKind.SAMPLER)}
-    times = [run["created_at"]] + [p["created_at"] for p in packages]
-    metadata = {k: v for k, v in (run["user_metadata"] or {}).items()}
-    return {"training_run_id": run["id"], "base_model": run["base_model"], "model_owner": who or "local",
-            "is_lora": True, "corrupted": run["status"] == RunStatus.FAILED, "lora_rank": run["lora"]["rank"],
+    times = [run.created_at] + [p.created_at for p in packages]
+    metadata = {k: v for k, v in (run.user_metadata or {}).items()}
+    return {"training_run_id": run.id, "base_model": run.base_model, "model_owner": who or "local",
+            "is_lora": True, "corrupted": run.status == RunStatus.FAILED, "lora_rank": run.lora["rank"],
             "last_request_time": iso(max(times)), "last_checkpoint": last[PackageKind.STATE],
             "last_sampler_checkpoint": last[PackageKind.SAMPLER], "user_metadata": metadata}
 
@@ -65,7 +66,7 @@ def delete_checkpoint(run_id: str, checkpoint_id: str, st: State, who: Owner) ->
     if not found:
         raise NotFound(f"training run {run_id!r} has no checkpoint {checkpoint_id!r}", field="checkpoint_id")
     for package in found:  # a Conflict while one is being read (packages.remove)
-        remove(st.store, package["id"], who)
+        remove(st.store, package.id, who)
     return {}
 
 
@@ -84,7 +85,7 @@ class WeightsInfo(TinkerBody):
 @router.post("/weights_info")
 def weights_info(body: WeightsInfo, st: State, who: Owner) -> dict:
     package = resolve_path(st, who, body.tinker_path)
-    lora = st.store.get_run(package["run_id"])["lora"]
-    return {"base_model": package["base_model"], "is_lora": True, "lora_rank": lora["rank"],
+    lora = st.store.get_run(package.run_id).lora
+    return {"base_model": package.base_model, "is_lora": True, "lora_rank": lora["rank"],
             "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
             "train_attn": lora.get("train_attn")}

@@ -29,7 +29,7 @@ class CreateSamplingSession(TinkerBody):
 def create_sampling_session(body: CreateSamplingSession, st: State, who: Owner, ts: Tinker) -> dict:
     st.store.get_session(body.session_id, who)
     if body.model_path is not None:
-        base_model = resolve_path(st, who, body.model_path)["base_model"]  # checked now: a 404, not a failed sample
+        base_model = resolve_path(st, who, body.model_path).base_model  # checked now: a 404, not a failed sample
     else:
         base_model = served(st, body.base_model)
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
@@ -151,7 +151,7 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     if body.sampling_session_id is not None:
         ref = sampler_ref(st, get_sampler(ts, body.sampling_session_id, who))
     elif body.model_path is not None:
-        ref = schemas.WeightsRef(checkpoint_id=resolve_path(st, who, body.model_path)["id"])
+        ref = schemas.WeightsRef(checkpoint_id=resolve_path(st, who, body.model_path).id)
     else:
         ref = schemas.WeightsRef(base_model=served(st, body.base_model))
     last_n = body.prompt_logprobs_last_n
@@ -179,4 +179,4 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
                             prompt_logprobs_last_n=last_n, target_prompt_logprobs=None if
                             body.target_prompt_logprobs is None else _targets(body.target_prompt_logprobs, length))
     op = start_sample(st, who, ref, prompt, params)
-    return {"request_id": op["id"], "sample_sequence_ids": [f"{op['id']}:{i}" for i in range(body.num_samples)]}
+    return {"request_id": op.id, "sample_sequence_ids": [f"{op.id}:{i}" for i in range(body.num_samples)]}

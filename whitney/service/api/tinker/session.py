@@ -15,6 +15,7 @@ from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.scheduling.limits import check_metadata
 from whitney.service.store import projects
 from whitney.service.store.lifecycle import RunStatus, SessionStatus
+from whitney.service.store.records import SessionRecord
 
 router = APIRouter()
 
@@ -62,12 +63,12 @@ def create_session(body: CreateSession, st: State, who: Owner) -> dict:
     st.quotas.check_session(who)
     session = labelled_session(st, who, dict(body.user_metadata or {}), tags=body.tags, project_id=body.project_id,
                                display_name=body.display_name)
-    return {"type": "create_session", "session_id": session["id"]}
+    return {"type": "create_session", "session_id": session.id}
 
 
-def labelled_session(st: ServiceState, who: str, user_metadata: dict, **labels) -> dict:
+def labelled_session(st: ServiceState, who: str, user_metadata: dict, **labels) -> SessionRecord:
     session = st.store.create_session(who, user_metadata)
-    return projects.label(st.store, session["id"], who, **labels)
+    return projects.label(st.store, session.id, who, **labels)
 
 
 class SessionRef(TinkerBody):
@@ -97,19 +98,19 @@ async def finish_session(session_id: str, st: State, who: Owner) -> dict:
     st.store.get_session(session_id, who)
     st.store.end_session(session_id, SessionStatus.CLOSED)
     for run in st.store.runs_of_session(session_id):
-        if st.store.set_run_status(run["id"], RunStatus.FINISHING):  # an active run
-            await asyncio.wrap_future(st.scheduler.finish_run(run["id"]))
+        if st.store.set_run_status(run.id, RunStatus.FINISHING):  # an active run
+            await asyncio.wrap_future(st.scheduler.finish_run(run.id))
     return {}
 
 
 @router.get("/sessions")
 def list_sessions(st: State, who: Owner) -> dict:
-    return {"sessions": [s["id"] for s in st.store.list_sessions(who)]}
+    return {"sessions": [s.id for s in st.store.list_sessions(who)]}
 
 
 @router.get("/sessions/{session_id}")
 def get_session(session_id: str, st: State, who: Owner, ts: Tinker) -> dict:
     session = st.store.get_session(session_id, who)
-    return {"training_run_ids": [r["id"] for r in st.store.runs_of_session(session_id)],
+    return {"training_run_ids": [r.id for r in st.store.runs_of_session(session_id)],
             "sampler_ids": [k for k, v in ts.samplers.items() if k.startswith(f"{session_id}:") and v.owner == who],
-            "user_metadata": session["user_metadata"], "display_name": session["display_name"]}
+            "user_metadata": session.user_metadata, "display_name": session.display_name}

@@ -24,30 +24,32 @@ from whitney.service.api.native.operations import enqueue
 from whitney.service.api.native.sessions import open_run
 from whitney.service.api.tinker import proto
 from whitney.service.api.tinker.common import (NAME, Sampler, Tinker, TinkerBody, access_owner, model_id, native_seq,
-                                               packages_named, resolve_path, served, tinker_path)
+                                               packages_named, path_of, resolve_path, served, tinker_path)
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.scheduling.jobs import ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob
 from whitney.service.scheduling.limits import check_metadata, check_operation
 from whitney.service.store import custom_losses, packages
 from whitney.service.store.database import digest
 from whitney.service.store.lifecycle import OperationKind, OperationStatus
+from whitney.service.store.records import OperationRecord
 
 router = APIRouter()
 
 
-def future(op: dict, **extra: Any) -> dict:
+def future(op: OperationRecord, **extra: Any) -> dict:
     """Tinker's UntypedAPIFuture for an operation."""
-    return {"request_id": op["id"], **extra}
+    return {"request_id": op.id, **extra}
 
 
-def finished_op(st: ServiceState, who: str, kind: OperationKind, result: dict) -> dict:
+def finished_op(st: ServiceState, who: str, kind: OperationKind, result: dict) -> OperationRecord:
     """An operation that is done when created (create_model, create-by-load), so retrieve_future answers it."""
     op, _ = st.store.submit_operation(who, None, None, kind, "")
-    st.store.set_operation(op["id"], OperationStatus.SUCCEEDED, result={"tinker": result})
+    st.store.set_operation(op.id, OperationStatus.SUCCEEDED, result={"tinker": result})
     return op
 
 
-def submit(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str, job: Job) -> dict:
+def submit(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str,
+           job: Job) -> OperationRecord:
     """Record (run, native seq_id) and queue it; a resend with the same body is the same operation."""
     return enqueue(st, who, run_id, native_seq(seq_id), kind, digest({"kind": kind, "body": body_digest}), job)
 
@@ -105,8 +107,8 @@ class ModelRef(TinkerBody):
 @router.post("/get_info")
 def get_info(body: ModelRef, st: State, who: Owner) -> dict:
     run = st.store.get_run(body.model_id, who)
-    base = run["base_model"]
-    return {"type": "get_info", "model_id": run["id"], "is_lora": True, "lora_rank": run["lora"]["rank"],
+    base = run.base_model
+    return {"type": "get_info", "model_id": run.id, "is_lora": True, "lora_rank": run.lora["rank"],
             "model_name": base, "model_data": {"model_name": base, "tokenizer_id": base}}
 
 
@@ -155,7 +157,7 @@ def _image_lengths(st: ServiceState, who: str, req: proto.ForwardBackwardRequest
     """Each datum's positions once the engine's processor has expanded its images (the token budgets and
     the micro-batch planner read them); a model without images, or an image whose expected_tokens the
     processor does not give, is the engine's InvalidInput."""
-    base_model = st.store.get_run(req.model_id, who)["base_model"]
+    base_model = st.store.get_run(req.model_id, who).base_model
     first = next(i for i, d in enumerate(data) if images.has_images(d.token_ids))
     images.refuse_images(st.model_info(base_model), base_model, f"data[{first}].model_input", first)
     total = st.scheduler.backend.validate(ForwardRequest(req.model_id, data, req.loss_fn, config), not req.forward_only)
@@ -212,10 +214,10 @@ def _save_job(name: str | None, st: ServiceState | None = None, body: Any = None
     return SaveJob(name, **options)
 
 
-def _saved(st: ServiceState, op: dict, body: Any, job: Job) -> dict:
+def _saved(st: ServiceState, op: OperationRecord, body: Any, job: Job) -> dict:
     """The save's TTL and user_metadata, given to its package as it succeeds (packages.settle_at_end)."""
-    if op["status"] == OperationStatus.QUEUED and not isinstance(job, Refused):
-        packages.settle_at_end(st.store, op["id"], body.ttl_seconds, getattr(body, "user_metadata", None))
+    if op.status == OperationStatus.QUEUED and not isinstance(job, Refused):
+        packages.settle_at_end(st.store, op.id, body.ttl_seconds, getattr(body, "user_metadata", None))
     return future(op, model_id=body.model_id)
 
 
@@ -261,8 +263,8 @@ def save_weights_for_sampler(body: SaveWeights, st: State, who: Owner, ts: Tinke
         run = st.store.get_run(body.model_id, who)
         sampler_id = f"{body.model_id}:sampler:{body.seq_id}"
         with ts.lock:
-            ts.samplers[sampler_id] = Sampler(who, run["base_model"], op_id=op["id"])
-            ts.sampler_of_op[op["id"]] = sampler_id
+            ts.samplers[sampler_id] = Sampler(who, run.base_model, op_id=op.id)
+            ts.sampler_of_op[op.id] = sampler_id
     return _saved(st, op, body, job)
 
 
@@ -298,7 +300,7 @@ async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
         except WhitneyError:
             await open_run(st, who, body.session_id, schemas.RunCreate(
                 base_model=body.base_model, user_metadata=body.user_metadata or {},
-                resume_from=schemas.ResumeFrom(checkpoint_id=package["id"], with_optimizer=body.optimizer)), run_id,
+                resume_from=schemas.ResumeFrom(checkpoint_id=package.id, with_optimizer=body.optimizer)), run_id,
                 also)
         op = finished_op(st, who, kind, {"path": body.path, "model_id": run_id, "type": "load_weights"})
         return future(op, model_id=run_id)
@@ -307,37 +309,39 @@ async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
                            field="model_id")
     try:
         package = resolve_path(st, who, body.path, access_owner(st, body.weights_access_token))
-        if body.optimizer and not package["has_optimizer"]:
+        if body.optimizer and not package.has_optimizer:
             raise InvalidInput("the checkpoint has no optimizer state; use load_state", field="path")
-        job: Job = LoadJob(package["path"], package["id"])
+        job: Job = LoadJob(package.path, package.id)
     except WhitneyError as e:
         job = refused(e)
     op = submit(st, who, body.model_id, body.seq_id, kind, digest(body.model_dump()), job)
     return future(op, model_id=body.model_id)
 
 
-def result(op: dict, st: ServiceState) -> dict:
+def result(op: OperationRecord, st: ServiceState) -> dict:
     """A finished training operation's result as Tinker's JSON response for its kind."""
-    r = op["result"] or {}
+    r = op.result or {}
+    saved = r.get("package") or {}  # the package a save wrote, as its result shows it
     if "tinker" in r:
         return r["tinker"]
-    kind = op["kind"]
+    kind = op.kind
     if kind == OperationKind.OPTIM_STEP:
         return {"metrics": r.get("metrics") or {}}
     if kind == OperationKind.SAVE_STATE:
-        return {"path": tinker_path(r["package"]), "type": "save_weights"}
+        return {"path": path_of(saved["run_id"], saved["kind"], saved["name"]), "type": "save_weights"}
     if kind == OperationKind.SAVE_WEIGHTS_FOR_SAMPLER:
-        return {"path": tinker_path(r["package"]), "type": "save_weights_for_sampler"}
+        return {"path": path_of(saved["run_id"], saved["kind"], saved["name"]), "type": "save_weights_for_sampler"}
     if kind == OperationKind.EXPORT_LORA:
         try:
             size = packages.size_bytes(st.store.get_package(r["package"]["id"]))
         except WhitneyError:  # deleted or expired since
             size = None
-        return {"path": tinker_path(r["package"]), "size_bytes": size, "type": "save_weights_external"}
+        return {"path": path_of(saved["run_id"], saved["kind"], saved["name"]), "size_bytes": size,
+                "type": "save_weights_external"}
     if kind in (OperationKind.LOAD_STATE, OperationKind.LOAD_STATE_WITH_OPTIMIZER):
         try:
             path = tinker_path(st.store.get_package(r["checkpoint_id"]))
         except WhitneyError:  # deleted since: the load happened all the same
             path = None
-        return {"path": path, "model_id": op["run_id"], "type": "load_weights"}
+        return {"path": path, "model_id": op.run_id, "type": "load_weights"}
     return r
