@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-import time
+import tracemalloc
 
 import httpx
 import numpy as np
@@ -215,24 +215,30 @@ def client_port(response: httpx.Response) -> int:
 
 
 def test_malformed_protobuf_is_a_400_naming_the_field(tinker_env, tiny_llama):
-    """Each malformed body is a 400 {code invalid_input, field, datum_index}, answered fast (nothing is
-    allocated from a declared shape), on one keep-alive connection that then serves a valid request."""
+    """Each malformed body is a 400 {code invalid_input, field, datum_index}, answered without allocating from
+    a declared shape (the process's peak traced allocation per refusal), on one keep-alive connection that then
+    serves a valid request."""
     assert len({m[0] for m in MALFORMED}) == len(MALFORMED) >= 40
     base = fb_body(new_model(tinker_env.url, tiny_llama), 1)
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     with httpx.Client(base_url=f"{tinker_env.url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60,
                       limits=limits) as http:
         ports = set()
-        for what, extra, field, datum_index in MALFORMED:
-            t0 = time.perf_counter()
-            r = http.post("/forward_backward", content=base + extra, headers=PROTO)
-            assert r.status_code == 400, (what, r.status_code, r.text)
-            err = r.json()
-            assert err["code"] == "invalid_input" and field in err["field"], (what, err)
-            assert err.get("datum_index") == datum_index, (what, err)
-            assert time.perf_counter() - t0 < 5, f"{what}: {time.perf_counter() - t0:.1f} s for a refusal"
-            assert r.headers.get("connection", "") != "close", what
-            ports.add(client_port(r))
+        tracemalloc.start()  # this process's allocations: the server's thread is one of its threads
+        try:
+            for what, extra, field, datum_index in MALFORMED:
+                tracemalloc.reset_peak()
+                r = http.post("/forward_backward", content=base + extra, headers=PROTO)
+                peak = tracemalloc.get_traced_memory()[1]
+                assert r.status_code == 400, (what, r.status_code, r.text)
+                err = r.json()
+                assert err["code"] == "invalid_input" and field in err["field"], (what, err)
+                assert err.get("datum_index") == datum_index, (what, err)
+                assert peak < 64 * 2**20, f"{what}: {peak / 2**20:.0f} MiB allocated for a refusal"
+                assert r.headers.get("connection", "") != "close", what
+                ports.add(client_port(r))
+        finally:
+            tracemalloc.stop()
         ok = http.post("/forward_backward", content=base, headers=PROTO)
         assert ok.status_code == 200, ok.text
         ports.add(client_port(ok))
@@ -382,8 +388,7 @@ def test_random_protobuf_mutations_never_reach_a_5xx(tinker_env, tiny_llama):
         model_id=model, seq_id=1)).SerializeToString()]
     rng = random.Random(20240610)
     statuses: dict[int, int] = {}
-    t0 = time.perf_counter()
-    with raw(tinker_env.url) as http:
+    with raw(tinker_env.url) as http:  # each answer within the client's timeout
         for i in range(300):
             body = bodies[i % 2]
             mutated = mutate(body, rng, key_positions(body))
@@ -391,7 +396,6 @@ def test_random_protobuf_mutations_never_reach_a_5xx(tinker_env, tiny_llama):
             assert r.status_code < 500, (i, mutated.hex(), r.text)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
     assert statuses.get(400, 0) >= 150, statuses
-    assert time.perf_counter() - t0 < 60, "the decoder is slow on malformed bodies"
     fresh = new_model(tinker_env.url, tiny_llama)
     with raw(tinker_env.url) as http:
         r = http.post("/forward_backward", content=fb_body(fresh, 1), headers=PROTO)
