@@ -40,7 +40,7 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	touch $(VENV)/.bench-installed
 
-.PHONY: install demo demo-check test bench bench-peers gpu-check
+.PHONY: install demo demo-check test test-quick bench bench-peers gpu-check
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -60,6 +60,13 @@ demo-check:
 
 test: $(VENV)/.test-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# The edit loop's tier (docs/TESTING.md): every test function once, on the tiny models and SQLite, in under 3
+# minutes. What tests/conftest.py marks `heavy` is left to `make test`: the Ray cluster, the browser console,
+# fuzzing, subprocess servers, the real model, PostgreSQL, a parametrized test's cases after its first.
+# TEST_ARGS adds pytest arguments, e.g. TEST_ARGS='-x tests/service'.
+test-quick: $(VENV)/.test-installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not heavy" $(TEST_ARGS)
 
 # Every benchmark but the peers, side by side; writes bench/results/*.json, docs/BENCHMARKS.md and docs/bench_*.png.
 # BENCH_ARGS=--quick for a smoke run (about 2 minutes), BENCH_ARGS='--only sampling' for one.

@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Served models are registered in the Hugging Face hub cache under their served names (engine/hub_cache.py):
 # the suite's go to a cache of its own, never the user's (set before anything imports huggingface_hub, which
@@ -27,6 +28,53 @@ if os.environ.get("WHITNEY_TEST_CUDA") != "1":
 # The tiny models' matmuls are too small to share: a second OpenMP thread only adds barrier waits
 # (seconds per test on a busy machine). Tests of the real model ask for more (`torch_threads`).
 torch.set_num_threads(1)
+
+
+# Two tiers (docs/TESTING.md). `make test` runs everything (CI). `make test-quick` runs `pytest -m "not heavy"`,
+# the edit loop's tier: every layer in under 3 minutes. A test is quick unless one of these makes it heavy:
+# - it is marked `heavy` (or `slow`: the real model), or is in HEAVY: a directory, a module or one test;
+# - it is a second or later case of a parametrized test (the quick tier runs the first case of each sweep);
+# - it runs on PostgreSQL (the `postgres` fixture or a "postgresql" parameter): the quick tier's store is SQLite.
+HEAVY = {
+    "cluster": "a local two-node Ray cluster",
+    "console": "the web console in Chromium, driven by Playwright while a run trains",
+    "engine/test_sharded.py": "two gloo ranks in processes of their own",
+    "engine/test_vision_ray.py": "a local Ray cluster",
+    "service/test_fuzz.py": "schemathesis over every route",
+    "test_seed_command.py": "the seed's script end to end",
+    "tinker/test_quickstart_doc.py": "the quickstart against `whitney serve` in subprocesses",
+    "test_cli.py::test_serve_prints_its_url_and_requires_the_api_key": "`whitney serve` in a subprocess",
+    "test_cli.py::test_models_register_makes_a_directorys_name_and_the_embedded_model_load_offline": "the embedded "
+    "model",
+    "test_model_support.py::test_the_scripts_check_confirms_listed_rows": "a model of each listed row",
+    "engine/test_general_path.py::test_models_that_cannot_be_served_are_refused_by_name": "a model of each family",
+    "service/test_openai.py::test_the_examples_readme_steps_run_on_the_shipped_data": "the examples end to end",
+    "service/test_paging_api.py::test_a_run_in_use_is_not_paged_out": "seconds of a client's pauses",
+    "service/test_paging_api.py::test_a_paging_server_gives_the_numbers_of_one_that_never_pages": "two servers "
+    "trained side by side (engine/test_paging.py has the same numbers)",
+    "service/test_keys.py::test_finished_runs_give_their_memory_back": "20 rank-32 runs, for the RSS",
+    "service/test_keys.py::test_the_tinker_sdk_with_a_key_retries_a_429": "the SDK sleeps the Retry-After",
+    "service/test_checkpoint_lifecycle.py::test_readers_and_the_reaper_racing_never_both_win": "a race, five "
+    "expiries long",
+}
+TESTS = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects
+def pytest_collection_modifyitems(config, items):
+    directories = [TESTS / p for p in HEAVY if "::" not in p]
+    seen = set()  # the parametrized tests whose first case is collected
+    for item in items:
+        path, test = Path(item.path), item.nodeid.split("[")[0]
+        named = TESTS in path.parents and f"{path.relative_to(TESTS).as_posix()}::{item.originalname}" in HEAVY
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        again = bool(params) and test in seen
+        seen.add(test)
+        on_postgresql = "postgres" in item.fixturenames or any(isinstance(v, str) and v == "postgresql"
+                                                               for v in params.values())
+        if (item.get_closest_marker("slow") or named or again or on_postgresql
+                or any(d == path or d in path.parents for d in directories)):
+            item.add_marker(pytest.mark.heavy)
 
 
 @pytest.fixture(autouse=True)

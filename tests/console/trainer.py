@@ -72,7 +72,7 @@ class Trainer(threading.Thread):
                 if step == self.version_every:
                     self.state_id = run.save_state("checkpoint").result()["package"]["id"]
                 self.done_steps = step
-                time.sleep(self.step_delay)
+                time.sleep(self.step_delay)  # the point: a paced run that the console's tests watch move (docstring)
         except BaseException as e:  # the test reports it
             self.error = e
             self.ready.set()
