@@ -180,7 +180,9 @@ NOTES = """## Behaviour worth knowing
 - A Tinker model id `{session_id}:train:{n}` is the native run id, and a Tinker request id is the native
   operation id: the native API (`/v1/runs/{id}`, `/v1/operations/{id}`) sees the same runs and operations.
 - `forward_backward` bodies are protobuf; forward/forward_backward and sample results go back as protobuf.
-  2-D (soft) `target_tokens`/`weights` may be sparse CSR; absent cells are 0.
+  2-D (soft) `target_tokens`/`weights` may be sparse CSR; absent cells are 0. The body is decoded off the
+  event loop, its tokens and the values its sparse tensors expand to (at most `max_request_bytes` / 4, what
+  a dense body could hold) counted before any tensor is made: beyond a limit, a 413.
 - Losses: `cross_entropy`, `importance_sampling`, `ppo` and `cispo` (absolute `clip_low_threshold` /
   `clip_high_threshold`, default 0.8 / 1.2), `dro` (`beta`), `gspo` (GSPO-token: needs
   `sequence_ratio_mask`; clipped like ppo), and server-side custom losses (`create_custom_loss`, then

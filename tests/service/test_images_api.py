@@ -1,6 +1,8 @@
 """Image chunks on the native API (service/images.py): every refusal up front (4xx naming the chunk, the limit and
-the value, nothing stored or queued), asset pointers only under the operator's directories, and, on a tiny vision
-model, training, scoring and sampling with images through a real server."""
+the value, nothing stored or queued), a text model's before any image is read, decoding work bounded from the
+file's structure, declared sizes bounded before anything is made of them, asset pointers only under the
+operator's directories, and, on a tiny vision model, training, scoring and sampling with images through a real
+server."""
 
 from __future__ import annotations
 
@@ -10,15 +12,19 @@ import os
 import struct
 import zlib
 
+import threading
+import tracemalloc
+
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.images import draw_image
+from tests.images import draw_image, png_with_chunks, progressive_jpeg
 from tests.models import make_tiny_vision_model
 from tests.service.conftest import start_server
 from whitney.engine.families.vision import expander
 from whitney.protocol.training import ImageInput
+from whitney.service.api import images
 from whitney.service.app import ServiceConfig
 from whitney.service.scheduling.limits import Limits
 from whitney.service.store.projects import owner_operations
@@ -76,20 +82,36 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory, tiny_llama, dirs):
-    """A server on the tiny Llama (a text model) with one allowed image directory and LIMITS."""
+def srv(tmp_path_factory, vision_model, tiny_llama, dirs):
+    """A server on the tiny Qwen3-VL (the default model: it takes images) and the tiny Llama (a text model) with
+    one allowed image directory and LIMITS."""
     limits = Limits(**{**LIMITS.as_dict(), "image_dirs": (str(dirs[0]),)})
-    server = start_server(ServiceConfig(models=[tiny_llama], data_dir=tmp_path_factory.mktemp("img") / "data",
-                                        limits=limits))
+    server = start_server(ServiceConfig(models=[vision_model, tiny_llama],
+                                        data_dir=tmp_path_factory.mktemp("img") / "data", limits=limits))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def run_id(srv) -> str:
+    """A run on the vision model."""
     with srv.http() as http:
         session = http.post("/v1/sessions", json={}).json()["id"]
         return http.post(f"/v1/sessions/{session}/runs", json={"lora": {"rank": 2}}).json()["id"]
+
+
+@pytest.fixture(scope="module")
+def text_model(srv) -> str:
+    return srv.app.state.whitney.models[1]
+
+
+@pytest.fixture(scope="module")
+def text_run(srv, text_model) -> str:
+    """A run on the text model."""
+    with srv.http() as http:
+        session = http.post("/v1/sessions", json={}).json()["id"]
+        return http.post(f"/v1/sessions/{session}/runs", json={"base_model": text_model,
+                                                                "lora": {"rank": 2}}).json()["id"]
 
 
 def operations(srv) -> int:
@@ -104,14 +126,16 @@ def nothing_stored(srv, run_id: str, before: int) -> None:
     assert operations(srv) == before
 
 
-def refused(srv, run_id: str, chunks: list[dict], status: int, *words: str, field: str | None = None) -> dict:
-    """Send `chunks` as a datum to forward, as a sample prompt and as a scored sequence: each is refused with
-    `status`, a message holding every one of `words`, and nothing is stored."""
+def refused(srv, run_id: str, chunks: list[dict], status: int, *words: str, field: str | None = None,
+            base_model: str | None = None) -> dict:
+    """Send `chunks` as a datum to forward, as a sample prompt and as a scored sequence (to `base_model`, else the
+    default model): each is refused with `status`, a message holding every one of `words`, and nothing is stored."""
     before = operations(srv)
+    model = {"base_model": base_model} if base_model else {}
     with srv.http() as http:
         answers = [http.post(f"/v1/runs/{run_id}/forward", json={"seq_id": 0, "data": [datum(chunks)]}),
-                   http.post("/v1/samples", json={"prompt": chunks, "max_tokens": 2}),
-                   http.post("/v1/logprobs", json={"sequences": [[1, 2], chunks]})]
+                   http.post("/v1/samples", json={"prompt": chunks, "max_tokens": 2, **model}),
+                   http.post("/v1/logprobs", json={"sequences": [[1, 2], chunks], **model})]
     for r, where in zip(answers, ("data[0].input.chunks", "prompt", "sequences[1]")):
         assert r.status_code == status, r.text
         body = r.json()
@@ -173,9 +197,26 @@ def test_a_malformed_chunk_is_a_422_naming_its_field(srv, run_id):
 
 # ---- what an image must be ------------------------------------------------------------------------------
 
-def test_a_text_model_refuses_images(srv, run_id):
-    chunks = [{"type": "encoded_text", "tokens": [1, 2]}, image_chunk(draw_image(16, 16))]
-    refused(srv, run_id, chunks, 400, "takes no images")
+def count_calls(monkeypatch, *names: str) -> list[str]:
+    """The names of images.py's functions (the server runs in this process) each time one is called."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(images, name)
+        monkeypatch.setattr(images, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+def test_a_text_model_refuses_images_before_reading_any(srv, text_run, text_model, dirs, monkeypatch):
+    """Issue 31, item 5: a progressive JPEG of many scans took 20 s to be refused by a text model, every image being
+    decoded before the refusal. Now no image is decoded from base64, read from disk or opened: the first image
+    chunk is refused, named, whatever the others hold."""
+    calls = count_calls(monkeypatch, "decode_base64", "pointed_file", "checked_image")
+    chunks = [{"type": "encoded_text", "tokens": [1, 2]}, image_chunk(progressive_jpeg(16, 16, 40), "jpeg"),
+              image_chunk(b"not an image"), pointer(str(dirs[0] / "cat.png"))]
+    refused(srv, text_run, chunks, 400, "takes no images", field="[1]", base_model=text_model)
+    refused(srv, text_run, [pointer(str(dirs[0] / "big.png"))], 400, "takes no images", field="[0]",
+            base_model=text_model)
+    assert calls == []
 
 
 @pytest.mark.parametrize("case", ["jpeg declared png", "png declared jpeg", "not an image", "truncated png",
@@ -218,10 +259,27 @@ def test_image_limits_count_across_a_requests_datums(srv, run_id):
     nothing_stored(srv, run_id, before)
 
 
+def test_declared_positions_are_bounded_before_anything_is_made_of_them(srv, run_id):
+    """Issue 31, item 2: a 200-byte sample request declaring an image of 10^9 positions made the server build a
+    list of that many ids (16 GB). An expected_tokens beyond the model's context is a 400 naming it on every
+    route, found before anything is sized from it: the peak of this process's traced allocations (the server
+    runs in it) stays far below the 80 MB a list of 10^7 ids takes."""
+    chunks = [{"type": "encoded_text", "tokens": [1]}, image_chunk(draw_image(16, 16), expected_tokens=10**7)]
+    with srv.http() as http:
+        tracemalloc.start()
+        try:
+            r = http.post("/v1/samples", json={"prompt": chunks, "max_tokens": 2})
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB allocated for a refusal"
+    refused(srv, run_id, chunks, 400, "expected_tokens", "10000000", "context", field="[1].expected_tokens")
+
+
 def test_capabilities_show_vision_and_the_image_limits(srv):
     with srv.http() as http:
         caps = http.get("/v1/training/capabilities").json()
-    assert [m["vision"] for m in caps["models"]] == [False]
+    assert [m["vision"] for m in caps["models"]] == [True, False]
     for name, value in LIMITS.as_dict().items():
         if "image" in name:
             assert caps["limits"][name] == value
@@ -236,13 +294,12 @@ def pointer(location: str, fmt: str = "png") -> dict:
 
 
 def test_a_pointer_under_the_allowed_directory_is_read(srv, run_id, dirs):
-    """The file is read and checked: a path, a file:// URI, a path through '..' that stays inside; the text
-    model then refuses the image (the engine never sees the path)."""
+    """The file is read and checked: a path, a file:// URI, a path through '..' that stays inside, each read
+    (its PNG bytes are found not to be the JPEG it is declared; the engine never sees the path)."""
     allowed = dirs[0]
     for location in (str(allowed / "cat.png"), f"file://{allowed / 'cat.png'}", f"file://localhost{allowed}/cat.png",
                      str(allowed / "sub" / ".." / "cat.png")):
-        refused(srv, run_id, [pointer(location)], 400, "takes no images")
-    refused(srv, run_id, [pointer(str(allowed / "cat.png"), "jpeg")], 400, "declared format 'jpeg'")
+        refused(srv, run_id, [pointer(location, "jpeg")], 400, "declared format 'jpeg'")
     refused(srv, run_id, [pointer(str(allowed / "big.png"))], 413, "max_image_bytes", "60004")
 
 
@@ -265,8 +322,8 @@ def test_pointers_outside_the_allowed_directory_are_refused(srv, run_id, dirs):
         refused(srv, run_id, [pointer(location)], 400, words, field="[0].location")
 
 
-def test_without_an_image_directory_every_pointer_is_refused(make_server, dirs):
-    server = make_server()
+def test_without_an_image_directory_every_pointer_is_refused(make_server, vision_model, dirs):
+    server = make_server(models=[vision_model])
     with server.http() as http:
         session = http.post("/v1/sessions", json={}).json()["id"]
         run = http.post(f"/v1/sessions/{session}/runs", json={"lora": {"rank": 2}}).json()["id"]
@@ -326,6 +383,35 @@ def vl_datum(image: dict, k: int, seed: int = 0) -> dict:
                                               "values": rng.integers(0, 49152, n).tolist()},
                             "weights": {"dtype": "float32", "shape": [n],
                                         "values": [1.0] * 4 + [0.0] * (k + 1) + [1.0] * 3}}}
+
+
+def test_decoding_work_is_bounded_from_the_files_structure(vsrv, vision_model, monkeypatch):
+    """Issue 31, item 5: a 178 KB progressive JPEG whose one tiny scan was repeated 2,000 times cost 20 s to decode
+    (a pass over the whole image per scan). A JPEG of more than MAX_JPEG_SCANS scans, or of more than
+    MAX_JPEG_SEGMENTS marker segments, and a PNG of more than MAX_PNG_CHUNKS chunks (a step of the decoder in
+    Python each) are 413s naming the chunk and the bound, found by walking the file's structure before Pillow
+    reads it. Pillow's own progressive JPEG (10 scans) is taken, and decoded on a worker thread, never on the
+    server's event loop."""
+    text = {"type": "encoded_text", "tokens": [1]}
+    many_segments = b"\xff\xd8" + b"\xff\xfe\x00\x02" * (images.MAX_JPEG_SEGMENTS + 1) + progressive_jpeg(16, 16)[2:]
+    with vsrv.http() as http:
+        for data, fmt, words in ((progressive_jpeg(16, 16, images.MAX_JPEG_SCANS), "jpeg", "progressive scans"),
+                                 (many_segments, "jpeg", "marker segments"),
+                                 (png_with_chunks(images.MAX_PNG_CHUNKS + 1), "png", "chunks")):
+            r = http.post("/v1/samples", json={"base_model": vision_model, "prompt": [text, image_chunk(data, fmt)],
+                                               "max_tokens": 1})
+            assert r.status_code == 413 and r.json()["field"] == "prompt[1]", r.text
+            assert words in r.json()["message"], r.text
+
+        threads = []
+        real = images.checked_image
+        monkeypatch.setattr(images, "checked_image", lambda *a: threads.append(threading.current_thread()) or real(*a))
+        for data, fmt in ((progressive_jpeg(16, 16), "jpeg"), (png_with_chunks(40), "png")):
+            r = http.post("/v1/samples", json={"base_model": vision_model, "prompt": [text, image_chunk(data, fmt)],
+                                               "max_tokens": 1})
+            assert r.status_code == 202, r.text
+            wait(http, r.json())
+    assert len(threads) == 2 and vsrv.thread not in threads  # the server's event loop runs in vsrv.thread
 
 
 def test_capabilities_say_which_model_takes_images(vsrv):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import tracemalloc
 
 import httpx
@@ -16,6 +17,7 @@ from tests.tinker.conftest import API_KEY
 from tests.tinker.helpers import arrays, tinker_data
 from whitney.service.api.tinker import futures, proto
 from whitney.service.app import ServiceConfig
+from whitney.service.scheduling.limits import Limits
 
 PROTO = {"Content-Type": "application/x-protobuf"}
 
@@ -276,6 +278,87 @@ def test_sparse_tensors_within_the_bounds_are_made_dense(tinker_env, tiny_llama)
     # No optim_step between them: both see the same weights.
     loss = forward(sparse_w)
     assert loss != 0 and np.isclose(loss, forward(dense_w), rtol=1e-6)
+
+
+# ---- declared sizes bounded before anything is made of them (issue 31, item 6) -----------------------
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, tiny_llama):
+    """A server whose requests hold at most 2,048 tokens and 2 MiB (so sparse tensors expand to at most 2^19
+    values): the bounds are reached with small bodies."""
+    server = start_server(ServiceConfig(models=[tiny_llama], data_dir=tmp_path_factory.mktemp("small") / "data",
+                                        limits=Limits(max_operation_tokens=2048, max_request_bytes=2 * 2**20)))
+    yield server
+    server.stop()
+
+
+def sparse_zeros(rows: int, k: int, dtype: str = "float32") -> types.TensorData:
+    """An all-empty sparse CSR [rows, K] tensor as the SDK sends it: 8 bytes per row on the wire."""
+    return types.TensorData(data=[], dtype=dtype, shape=[rows, k], sparse_crow_indices=[0] * (rows + 1),
+                            sparse_col_indices=[])
+
+
+def peak_of(call) -> tuple:
+    """call()'s result and the peak of this process's traced allocations meanwhile (the server runs in it)."""
+    tracemalloc.start()
+    try:
+        out = call()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_sparse_tensors_are_bounded_before_they_are_expanded(small, tiny_llama, monkeypatch):
+    """A 12 MB body of sparse [10^6, 256] weights was made a Python list of 2.6 x 10^8 values (1.6 GB) before the
+    token limit refused it, on the event loop. Now the datum's positions count against max_operation_tokens and
+    the values all sparse tensors of a request expand to against what a dense body of max_request_bytes holds,
+    both before a tensor is read: 413s naming the limit, with a peak far below the expansion (41 MB and 98 MB
+    here). The body is decoded on a worker thread, not the server's event loop."""
+    model = new_model(small.url, tiny_llama)
+    threads = []
+    real = proto.decode_forward_backward
+    monkeypatch.setattr(proto, "decode_forward_backward",
+                        lambda *a: threads.append(threading.current_thread()) or real(*a))
+
+    def body(tokens: int, **inputs: types.TensorData) -> bytes:
+        datum = types.Datum(model_input=types.ModelInput.from_ints([1] * tokens), loss_fn_inputs=inputs)
+        return forward_backward_request_to_proto(types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+            model_id=model, seq_id=1)).SerializeToString()
+
+    over_tokens = body(20_000, weights=sparse_zeros(20_000, 256))  # 5.1 x 10^6 values from 240 kB
+    over_values = body(2000, **{f"w{i}": sparse_zeros(2000, 256) for i in range(24)})  # 24 x 512,000 from 400 kB
+    with raw(small.url) as http:
+        for content, words in ((over_tokens, ("20000 tokens", "2048")), (over_values, ("sparse", "524288"))):
+            r, peak = peak_of(lambda: http.post("/forward_backward", content=content, headers=PROTO))
+            assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB allocated for a refusal of {words}"
+            assert r.status_code == 413, r.text
+            assert all(w in r.json()["message"] for w in words), r.text
+    assert len(threads) == 2 and small.thread not in threads  # the server's event loop runs in small.thread
+
+
+def test_sparse_target_prompt_logprobs_are_bounded_before_they_are_expanded(small, tiny_llama):
+    """Sparse target_prompt_logprobs on asample were made rows of P x K ids before the prompt's length was
+    checked (a 2 MB body took 10 s). The prompt is checked against the model's context (512) first: a 400,
+    with a peak far below the 85 MB of 10^5 rows of 100."""
+    import tinker
+
+    client = tinker.ServiceClient(base_url=small.url, api_key=API_KEY)
+    try:
+        sampler = client.create_sampling_client(base_model=tiny_llama).result()
+        n = 100_000
+        tracemalloc.start()
+        try:
+            with pytest.raises(tinker.BadRequestError) as info:
+                sampler.sample(types.ModelInput.from_ints([1] * n), 1, types.SamplingParams(max_tokens=1),
+                               target_prompt_logprobs=sparse_zeros(n - 1, 100, "int64")).result()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB allocated for a refusal"
+        assert "100000 positions" in str(info.value) and "context of 512" in str(info.value), info.value
+    finally:
+        client.close("success").result()
 
 
 # ---- invalid text in JSON bodies, paths and queries --------------------------------------------------

@@ -1,11 +1,13 @@
 """Image chunks through the real Tinker SDK: `ModelInput(chunks=[EncodedTextChunk, ImageChunk, ...])` trains,
 scores and samples on a tiny vision-language model with the same numbers as the native API; an
 `ImageAssetPointerChunk` under the server's image directory samples as the inline bytes do; audio, undecodable
-images, network locations and images for a text model are refused."""
+images, network locations and images for a text model are refused (the last before any image is read), and
+declared sizes before anything is made of them."""
 
 from __future__ import annotations
 
 import base64
+import tracemalloc
 
 import httpx
 import numpy as np
@@ -13,13 +15,14 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.images import draw_image
+from tests.images import draw_image, progressive_jpeg
 from tests.models import make_tiny_vision_model
 from tests.service.conftest import start_server
 from tests.service.test_images_api import png_header_only
 from tests.tinker.helpers import close
 from whitney.engine.families.vision import expander
 from whitney.protocol.training import ImageInput
+from whitney.service.api import images
 from whitney.service.app import ServiceConfig
 from whitney.service.scheduling.limits import Limits
 
@@ -171,21 +174,47 @@ def test_audio_bad_images_and_network_locations_are_refused(vl):
         lambda: sampler.sample(prompt=sdk_input(vl, outside), num_samples=1, sampling_params=params).result())
 
 
-def test_a_text_model_refuses_images(vl):
-    """Sampling answers a 400; forward_backward keeps its place in the run's order and fails in its turn."""
+def test_a_text_model_refuses_images(vl, monkeypatch):
+    """Sampling answers a 400; forward_backward keeps its place in the run's order and fails in its turn. Neither
+    reads an image first (issue 31, item 5: a progressive JPEG of many scans was decoded, for seconds, before a
+    text model refused it): no image is decoded from base64, read from disk or checked."""
+    calls: list[str] = []
+    for name in ("decode_base64", "pointed_file", "checked_image"):
+        real = getattr(images, name)
+        monkeypatch.setattr(images, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    jpeg = types.ImageChunk(data=progressive_jpeg(16, 16, 40), format="jpeg")
     sampler = vl["client"].create_sampling_client(base_model=vl["text_model"]).result()
-    message = bad_request(lambda: sampler.sample(prompt=sdk_input(vl), num_samples=1,
+    message = bad_request(lambda: sampler.sample(prompt=sdk_input(vl, jpeg), num_samples=1,
                                                  sampling_params=types.SamplingParams(max_tokens=2)).result())
-    assert "takes no images" in message
+    assert "takes no images" in message and "prompt.chunks[1]" in message
 
     tc = vl["client"].create_lora_training_client(base_model=vl["text_model"], rank=4, seed=1).result()
     target, weights = targets(vl)
     datum = types.Datum(model_input=sdk_input(vl), loss_fn_inputs={"target_tokens": target, "weights": weights})
     with pytest.raises(Exception, match="takes no images"):
         tc.forward_backward([datum], "cross_entropy").result()
+    assert calls == []
     text = types.Datum(model_input=types.ModelInput.from_ints(TEXT_A),
                        loss_fn_inputs={"target_tokens": np.array(TEXT_A[1:] + [1]), "weights": np.ones(5)})
     assert tc.forward_backward([text], "cross_entropy").result().metrics["loss:sum"] > 0  # the run goes on
+
+
+def test_declared_positions_are_bounded_before_anything_is_made_of_them(vl):
+    """Issue 31, item 2: an image declaring 10^9 positions made the server build a list of that many ids before any
+    length check. An expected_tokens beyond the model's context is a 400 naming it before anything is sized from
+    it: the peak of this process's traced allocations (the server runs in it) stays far below the 80 MB a list
+    of 10^7 ids takes."""
+    sampler = vl["client"].create_sampling_client(base_model=vl["model"]).result()
+    huge = types.ImageChunk(data=vl["photo"], format="png", expected_tokens=10**7)
+    tracemalloc.start()
+    try:
+        message = bad_request(lambda: sampler.sample(prompt=sdk_input(vl, huge), num_samples=1,
+                                                     sampling_params=types.SamplingParams(max_tokens=2)).result())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB allocated for a refusal"
+    assert "prompt.chunks[1].expected_tokens" in message and "context" in message, message
 
 
 def test_server_capabilities_say_which_model_takes_images(vl):

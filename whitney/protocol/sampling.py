@@ -60,7 +60,10 @@ def validate(prompt: list[int], params: SamplingParams, model, max_samples: int)
         tokens = [t for c in prompt if not isinstance(c, ImageInput) for t in c]
         check(all(_int(t) and 0 <= t < vocab for t in tokens),
               f"prompt token ids must be integers in [0, {vocab})", field="prompt")
-        prompt = tokens + [0] * sum(c.expected_tokens or 0 for c in prompt if isinstance(c, ImageInput))
+        positions = sum(c.expected_tokens or 0 for c in prompt if isinstance(c, ImageInput))
+        check(len(tokens) + positions <= context, f"prompt ({len(tokens) + positions} positions) exceeds the "
+              f"model's context of {context}", field="prompt")  # before a list that long is made
+        prompt = tokens + [0] * positions
         check(len(prompt) > 0, "prompt must hold at least one token or image", field="prompt")
     check(all(_int(t) and 0 <= t < vocab for t in prompt),
           f"prompt token ids must be integers in [0, {vocab})", field="prompt")

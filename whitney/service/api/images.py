@@ -8,6 +8,16 @@ pixels for the model: it reads the header and checks the bytes decode (Pillow), 
 naming its chunk before anything is stored or queued; the engine's processor expands each image into
 its positions.
 
+Order of the checks, cheapest first, so that no work is done for an image that is refused anyway: a model
+that takes no images (`ImageBudget.model`) refuses every image chunk before its bytes are decoded from base64
+or read from disk; then the declared numbers (expected_tokens: at most the model's context); then the
+encoded bytes; then the file's structure, walked without decoding (`check_structure`: a JPEG's markers, a
+PNG's chunks), which refuses a progressive JPEG of more than MAX_JPEG_SCANS scans (each scan is a pass of
+the decoder over the whole image: 2,000 tiny scans made a 178 KB JPEG cost 20 s to decode) and files of more
+than MAX_JPEG_SEGMENTS segments or MAX_PNG_CHUNKS chunks (each costs the decoder a step in Python); then the
+header (format, width x height); only then is the image decoded, always on a worker thread (the routes that
+call this are sync routes or call it through run_in_threadpool).
+
 Limits (`Limits`, each a `whitney serve --max-...` flag): bytes per image, pixels per image (read from
 the header, before any decoding, which also keeps decompression bombs out), images and image bytes per
 request. Beyond one: a 413 naming the limit, the chunk and the value.
@@ -24,12 +34,14 @@ import base64
 import binascii
 import io
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from PIL import Image, UnidentifiedImageError
 
 from whitney.errors import InvalidInput, TooLarge
+from whitney.protocol.backend import ModelInfo
 from whitney.protocol.training import Datum, ImageInput
 from whitney.service.scheduling.limits import Limits
 
@@ -39,14 +51,33 @@ CHUNK_TYPES = (TEXT, IMAGE, POINTER)
 
 Chunks = list  # list[list[int] | ImageInput]: what the engine takes wherever it took token ids
 
+# Decoding work, bounded from the file's structure before Pillow reads it. libjpeg's progressive JPEGs have
+# 10 scans (6 in grey), mozjpeg's and Photoshop's about as many; every scan is one more decoding pass.
+MAX_JPEG_SCANS = 64
+MAX_JPEG_SEGMENTS = 1024  # marker segments (APPn, DQT, DHT, SOF, SOS, ...): a photo has tens
+MAX_PNG_CHUNKS = 8192  # a 10 MiB PNG written in libpng's 8 KiB IDAT chunks has 1,280
+_JPEG_MARKER = re.compile(rb"\xff+[^\x00\xd0-\xd7\xff]")  # a marker: not a stuffed 0xFF, a restart or a fill byte
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
 
 @dataclass
 class ImageBudget:
-    """What one request's images have used so far, against the per-request limits."""
+    """What one request's images have used so far, against the per-request limits. `model`: the model the images
+    are for (its name as the request gave it in `model_name`): a model without vision refuses every image chunk
+    before reading it, and no image may declare more positions than its context. None: not known here (the
+    image limits only; the caller refuses images for a text model itself)."""
 
     limits: Limits
+    model: ModelInfo | None = None
+    model_name: str = ""
     images: int = 0
     bytes: int = 0
+
+    def admit_image(self, where: str, datum_index: int | None = None) -> None:
+        """Refuse an image chunk for a model that takes no images, before anything of it is read."""
+        if self.model is not None and not self.model.vision:
+            raise InvalidInput(f"{where}: base model {self.model_name or self.model.name} takes no images",
+                               field=where, datum_index=datum_index)
 
     def add(self, size: int, where: str) -> None:
         self.images += 1
@@ -59,21 +90,69 @@ class ImageBudget:
                            f"{self.limits.max_request_image_bytes} per request (max_request_image_bytes)", field=where)
 
 
+def check_expected_tokens(expected_tokens, where: str, budget: ImageBudget) -> None:
+    """A declared expected_tokens: a positive integer, at most the model's context (else max_operation_tokens,
+    the most positions any request may hold), checked before anything is sized from it."""
+    if expected_tokens is None:
+        return
+    field = f"{where}.expected_tokens"
+    if not isinstance(expected_tokens, int) or isinstance(expected_tokens, bool) or expected_tokens < 1:
+        raise InvalidInput(f"{field} must be a positive integer, got {expected_tokens!r}", field=field)
+    if budget.model is not None and expected_tokens > budget.model.max_context:
+        raise InvalidInput(f"{field} is {expected_tokens}, more positions than the model's context of "
+                           f"{budget.model.max_context}", field=field)
+    if expected_tokens > budget.limits.max_operation_tokens:
+        raise TooLarge(f"{field} is {expected_tokens}; no request may hold more than "
+                       f"{budget.limits.max_operation_tokens} positions (max_operation_tokens)", field=field)
+
+
+def check_structure(data: bytes, where: str) -> None:
+    """The decoding work an encoded image asks for, read from its structure without decoding it: a JPEG's scans
+    (at most MAX_JPEG_SCANS) and marker segments (MAX_JPEG_SEGMENTS), a PNG's chunks (MAX_PNG_CHUNKS). Each walk
+    stops at its cap; anything it cannot follow is left to Pillow, which refuses it (a 400)."""
+    if data.startswith(b"\xff\xd8"):
+        scans = segments = 0
+        pos = 2
+        while (m := _JPEG_MARKER.search(data, pos)) is not None:
+            marker, pos = m.group()[-1], m.end()
+            if marker == 0xD9:  # end of image
+                return
+            segments += 1
+            scans += marker == 0xDA
+            if scans > MAX_JPEG_SCANS:
+                raise TooLarge(f"{where}: the JPEG has more than {MAX_JPEG_SCANS} progressive scans (each one a "
+                               "decoding pass over the whole image)", field=where)
+            if segments > MAX_JPEG_SEGMENTS:
+                raise TooLarge(f"{where}: the JPEG has more than {MAX_JPEG_SEGMENTS} marker segments", field=where)
+            if marker not in (0x01, 0xD8):  # TEM and SOI stand alone; every other marker has a length
+                pos += int.from_bytes(data[pos:pos + 2], "big")  # past the segment (SOS: its header; the data
+                # that follows is searched for the next marker)
+    elif data.startswith(_PNG_SIGNATURE):
+        pos, chunks = len(_PNG_SIGNATURE), 0
+        while pos + 8 <= len(data):
+            chunks += 1
+            if chunks > MAX_PNG_CHUNKS:
+                raise TooLarge(f"{where}: the PNG has more than {MAX_PNG_CHUNKS} chunks", field=where)
+            if data[pos + 4:pos + 8] == b"IEND":
+                return
+            pos += 12 + int.from_bytes(data[pos:pos + 4], "big")  # length, type, data, CRC
+
+
 def checked_image(data: bytes, fmt: str, expected_tokens: int | None, where: str, budget: ImageBudget) -> ImageInput:
     """Encoded image bytes checked against the limits and decoded once (Pillow) to prove they are what they
-    say: the declared format, at most max_image_pixels pixels (from the header, before decoding), whole."""
+    say: the declared format, at most max_image_pixels pixels (from the header, before decoding), whole. Every
+    check that needs no decoding comes first (see the module's docstring)."""
     limits = budget.limits
+    budget.admit_image(where)
     if fmt not in FORMATS:
         raise InvalidInput(f"{where}.format: {fmt!r} is not an image format this server takes; use one of "
                            f"{sorted(FORMATS)}", field=f"{where}.format")
-    if expected_tokens is not None and (not isinstance(expected_tokens, int) or isinstance(expected_tokens, bool)
-                                        or expected_tokens < 1):
-        raise InvalidInput(f"{where}.expected_tokens must be a positive integer, got {expected_tokens!r}",
-                           field=f"{where}.expected_tokens")
+    check_expected_tokens(expected_tokens, where, budget)
     if len(data) > limits.max_image_bytes:
         raise TooLarge(f"{where}: the image is {len(data)} bytes; the limit is {limits.max_image_bytes} per image "
                        "(max_image_bytes)", field=where)
     budget.add(len(data), where)
+    check_structure(data, where)
     try:
         with Image.open(io.BytesIO(data), formats=list(FORMATS.values())) as image:  # the header only; no other reader
             found = image.format
@@ -161,6 +240,9 @@ def model_input(chunks: list[dict], where: str, budget: ImageBudget) -> Chunks:
     for j, chunk in enumerate(chunks):
         at = f"{where}[{j}]"
         kind = chunk.get("type")
+        if kind in (IMAGE, POINTER):
+            budget.admit_image(at)  # before the bytes are decoded from base64 or read from disk
+            check_expected_tokens(chunk.get("expected_tokens"), at, budget)
         if kind == TEXT:
             out.append(list(chunk["tokens"]))
         elif kind == IMAGE:
@@ -204,11 +286,20 @@ def token_ids(tokens_or_chunks) -> list[int]:
     return out
 
 
-def stand_in(prompt: list, params) -> list[int]:
+def check_context(length: int, max_context: int, where: str = "prompt") -> None:
+    """A prompt of `length` positions (known_length: images counted by expected_tokens) fits the model's
+    context: checked before anything is sized from it."""
+    if length > max_context:
+        raise InvalidInput(f"{where} holds {length} positions (each image its expected_tokens), more than the "
+                           f"model's context of {max_context}", field=where)
+
+
+def stand_in(prompt: list, params, max_context: int) -> list[int]:
     """A sample prompt as token ids for the checks the service makes before queueing it
-    (protocol.sampling.validate): each image as its expected_tokens positions. A check that needs the prompt's
-    exact length (prompt_logprobs_last_n, target_prompt_logprobs) needs every image's expected_tokens: a 400
-    naming the first image without them."""
+    (protocol.sampling.validate): each image as its expected_tokens positions, the whole checked against the
+    model's context first (so at most `max_context` ids are made). A check that needs the prompt's exact length
+    (prompt_logprobs_last_n, target_prompt_logprobs) needs every image's expected_tokens: a 400 naming the first
+    image without them."""
     if not has_images(prompt):
         return prompt
     unsized = next((j for j, c in enumerate(prompt) if isinstance(c, ImageInput) and c.expected_tokens is None), None)
@@ -216,6 +307,7 @@ def stand_in(prompt: list, params) -> list[int]:
         asked = "prompt_logprobs_last_n" if params.prompt_logprobs_last_n is not None else "target_prompt_logprobs"
         raise InvalidInput(f"{asked} needs the prompt's length: give prompt chunk {unsized} its expected_tokens",
                            field=f"prompt[{unsized}].expected_tokens")
+    check_context(sum((c.expected_tokens or 1) if isinstance(c, ImageInput) else len(c) for c in prompt), max_context)
     out: list[int] = []
     for c in prompt:
         out.extend([0] * (c.expected_tokens or 1) if isinstance(c, ImageInput) else c)

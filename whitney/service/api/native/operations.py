@@ -65,8 +65,10 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     kind = OperationKind.FORWARD_BACKWARD if backward else OperationKind.FORWARD
     if run.status != RunStatus.ACTIVE:  # only a retry of a seq_id the ended run has (the store refuses others)
         return submit(st, who, run_id, kind, body, None)
-    # Image chunks read (asset pointers from allowed directories) and checked against the image limits.
-    data = images.datums([d.model_dump() for d in body.data], images.ImageBudget(st.limits))
+    # Image chunks read (asset pointers from allowed directories) and checked against the image limits; a model
+    # without vision refuses them before any is read.
+    budget = images.ImageBudget(st.limits, st.model_info(run.base_model), run.base_model)
+    data = images.datums([d.model_dump() for d in body.data], budget)
     lengths = [images.known_length(d.token_ids) for d in data]
     check_operation(st.limits, lengths)  # before the backend looks at any of it
     with_images = next((i for i, d in enumerate(data) if images.has_images(d.token_ids)), None)

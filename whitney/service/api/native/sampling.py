@@ -66,8 +66,14 @@ def sample(body: schemas.SampleRequest, st: State, who: Owner):
                             prompt_logprobs_last_n=body.prompt_logprobs_last_n,
                             target_prompt_logprobs=None if body.target_prompt_logprobs is None else
                             tuple(tuple(r) for r in body.target_prompt_logprobs))
-    prompt = images.prompt(wire_input(body.prompt), "prompt", images.ImageBudget(st.limits))
+    _, base_model = resolve(st, who, body)  # first: a model without vision refuses images before any is read
+    prompt = images.prompt(wire_input(body.prompt), "prompt", image_budget(st, base_model))
     return start_sample(st, who, body, prompt, params)
+
+
+def image_budget(st: ServiceState, base_model: str) -> images.ImageBudget:
+    """One request's image budget, for `base_model` (a text model refuses images unread)."""
+    return images.ImageBudget(st.limits, st.model_info(base_model), base_model)
 
 
 def wire_input(tokens_or_chunks: list) -> list:
@@ -85,8 +91,8 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
         images.refuse_images(st.model_info(base_model), base_model, "prompt")
     # A 400 now, not a failure later. An image stands as its expected_tokens positions (1 when not given; the
     # engine checks the expanded prompt again when the request starts).
-    validate(images.stand_in(prompt, params), params, st.model_info(base_model),
-             st.scheduler.backend.config.max_sequences)
+    info = st.model_info(base_model)
+    validate(images.stand_in(prompt, params, info.max_context), params, info, st.scheduler.backend.config.max_sequences)
     st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
     # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
@@ -98,7 +104,8 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
 @router.post("/logprobs", response_model=schemas.Operation, status_code=202)
 def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
     """Per-token log-probs of given sequences (the first position has none)."""
-    budget = images.ImageBudget(st.limits)
+    weights, base_model = resolve(st, who, body)  # first: a model without vision refuses images before any is read
+    budget = image_budget(st, base_model)
     sequences = []
     for i, s in enumerate(body.sequences):
         try:
@@ -108,7 +115,6 @@ def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
             raise
     lengths = [images.known_length(s) for s in sequences]  # an image without expected_tokens counts 0 here
     check_operation(st.limits, lengths, field="sequences")
-    weights, base_model = resolve(st, who, body)
     config = st.model_info(base_model)
     for i, seq in enumerate(sequences):
         if images.has_images(seq):

@@ -29,8 +29,9 @@ import math
 import struct
 from dataclasses import dataclass, field
 
-from whitney.errors import InvalidInput
+from whitney.errors import InvalidInput, TooLarge
 from whitney.protocol.training import MAX_DIMS, MAX_K
+from whitney.service.scheduling.limits import Limits
 from whitney.service.scheduling.results import StopReason
 
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32, DTYPE_BFLOAT16 = 1, 2, 3, 4
@@ -163,6 +164,45 @@ def _map_entry(f: Field, where: str) -> tuple[str, Field | None]:
 # ---- ForwardBackwardRequest in -------------------------------------------------------------
 
 @dataclass
+class Bounds:
+    """What a body's declared numbers may still reach, counted as it is read, so that nothing is made from a
+    declared number before it is checked: datums and positions (max_operation_datums, max_operation_tokens; an
+    image counts its expected_tokens), and the values sparse tensors expand to (`sparse_values`: what a dense
+    body of max_request_bytes could hold, 4 bytes a value, so a sparse tensor never costs more than its dense
+    form could). Beyond one: a 413, before the next datum or tensor is read."""
+
+    limits: Limits
+    datums: int = 0
+    tokens: int = 0
+    values: int = 0
+
+    @property
+    def sparse_values(self) -> int:
+        return self.limits.max_request_bytes // 4
+
+    def add_datum(self, positions: int, where: str) -> None:
+        self.datums += 1
+        self.tokens += positions
+        if self.datums > self.limits.max_operation_datums:
+            raise TooLarge(f"data holds more than {self.limits.max_operation_datums} datums; the limit is "
+                           f"{self.limits.max_operation_datums} per request", field="data")
+        if self.tokens > self.limits.max_operation_tokens:
+            raise TooLarge(f"data holds at least {self.tokens} tokens (through {where}; an image counts its "
+                           f"expected_tokens); the limit is {self.limits.max_operation_tokens} per request (split "
+                           "it into several requests)", field="data")
+
+    def add_sparse(self, shape: list[int], where: str) -> None:
+        rows, cols = shape
+        if rows > self.limits.max_operation_tokens:
+            raise TooLarge(f"{where}: a sparse tensor of {rows} rows; no request holds more than "
+                           f"{self.limits.max_operation_tokens} positions (max_operation_tokens)", field=where)
+        self.values += rows * cols
+        if self.values > self.sparse_values:
+            raise TooLarge(f"{where}: the request's sparse tensors expand to {self.values} values or more; the "
+                           f"limit is {self.sparse_values} (what a dense body of max_request_bytes holds)", field=where)
+
+
+@dataclass
 class ForwardBackwardRequest:
     model_id: str = ""
     seq_id: int = 0
@@ -182,11 +222,11 @@ def _array(raw: bytes, dtype: int, where: str) -> list:
     return list(struct.unpack(f"<{len(raw) // size}{code}", raw))
 
 
-def _tensor(f: Field | None, where: str, n: int | None) -> dict:
+def _tensor(f: Field | None, where: str, n: int | None, bounds: Bounds) -> dict:
     """A Tensor as the native wire tensor {dtype, shape, values}, checked before anything is allocated:
     at most MAX_DIMS dimensions, none negative; dense values fill the shape exactly; a sparse CSR tensor is
-    [n, K] (n the datum's tokens, 1 <= K <= MAX_K) with consistent indices, and only then made dense.
-    Dense values cost no more than the body's bytes; their rows are the engine's to check (an opsd
+    [n, K] (n the datum's tokens, 1 <= K <= MAX_K) within `bounds`, with consistent indices, and only then made
+    dense. Dense values cost no more than the body's bytes; their rows are the engine's to check (an opsd
     teacher field has M rows, not n)."""
     dense, csr, dtype, dims = b"", None, 0, []
     for g in _message(f, where) if f is not None else []:
@@ -211,6 +251,7 @@ def _tensor(f: Field | None, where: str, n: int | None) -> dict:
         rows = "N" if n is None else n  # None: an image's positions are counted by the engine
         raise _bad(where, f"a sparse tensor must have shape [{rows}, K] (the datum's {rows} positions, 1 <= K <= "
                           f"{MAX_K}), got {shape}")
+    bounds.add_sparse(shape, where)  # before its indices are read or anything is made of its shape
     values = _array(csr.get(1, b""), dtype, f"{where}.sparse_csr.values")
     crow = _array(csr.get(2, b""), DTYPE_INT64, f"{where}.sparse_csr.crow_indices")
     col = _array(csr.get(3, b""), DTYPE_INT64, f"{where}.sparse_csr.col_indices")
@@ -249,6 +290,9 @@ def _chunk(f: Field, where: str, j: int) -> dict:
                     chunk["format"] = _text(g, f"{where}.image.format")
                 elif g.number == 3:
                     chunk["expected_tokens"] = _int64(g, f"{where}.image.expected_tokens")
+                    if chunk["expected_tokens"] < 1:  # it counts toward the datum's positions just below
+                        raise _bad(f"{where}.image.expected_tokens", f"chunk {j}: expected_tokens must be a "
+                                   f"positive integer, got {chunk['expected_tokens']}")
                 elif g.number == 4:
                     raise _bad(f"{where}.image.override_dimensions", f"chunk {j}: override_dimensions is not "
                                "supported by this server (the image is processed at its encoded size)")
@@ -259,12 +303,15 @@ def _chunk(f: Field, where: str, j: int) -> dict:
             raise _bad(where, f"chunk {j} has an unknown type (field {kind.number}); a chunk is encoded_text or image")
     if chunk is None:
         raise _bad(where, f"chunk {j} is empty")
+    if chunk["type"] == "image" and not (chunk["data"] and chunk["format"]):  # malformed, whatever the model takes
+        raise _bad(where, f"chunk {j}: an image chunk needs its data and format")
     return chunk
 
 
-def _datum(f: Field, index: int) -> dict:
+def _datum(f: Field, index: int, bounds: Bounds) -> dict:
     """One Datum. model_input is read first whatever the field order, since tensors are checked against it:
-    token ids when it holds only text, else its chunks ({input: {chunks}}, images read by service/images.py)."""
+    token ids when it holds only text, else its chunks ({input: {chunks}}, images read by service/images.py).
+    Its positions count against `bounds` before any tensor is read."""
     where = f"data[{index}]"
     try:
         parts = _message(f, where)
@@ -272,13 +319,14 @@ def _datum(f: Field, index: int) -> dict:
         text = all(c["type"] == "encoded_text" for c in chunks)
         # An image's positions are known here only from its expected_tokens (the engine checks them).
         n = sum(len(c["tokens"]) if c["type"] == "encoded_text" else c["expected_tokens"] or 0 for c in chunks)
+        bounds.add_datum(n, where)
         unsized = any(c["type"] == "image" and c["expected_tokens"] is None for c in chunks)
         inputs: dict[str, dict] = {}
         for g in parts:
             if g.number == 2:
                 name, tensor = _map_entry(g, f"{where}.loss_fn_inputs")
-                inputs[name] = _tensor(tensor, f"{where}.loss_fn_inputs.{name}", None if unsized else n)
-    except InvalidInput as e:
+                inputs[name] = _tensor(tensor, f"{where}.loss_fn_inputs.{name}", None if unsized else n, bounds)
+    except (InvalidInput, TooLarge) as e:
         e.datum_index = index
         raise
     model_input = {"token_ids": [t for c in chunks for t in c["tokens"]]} if text else {"chunks": chunks}
@@ -296,12 +344,13 @@ def _config_value(f: Field | None, where: str) -> float | str:
     return value
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardRequest:
-    """A ForwardBackwardRequest; any malformed part is an InvalidInput naming its field. Unknown fields
-    are skipped (newer SDKs add some), as protobuf does."""
+def decode_forward_backward(body: bytes, limits: Limits) -> ForwardBackwardRequest:
+    """A ForwardBackwardRequest; any malformed part is an InvalidInput naming its field, any declared size
+    beyond `limits` a TooLarge (`Bounds`), found before anything is made of it. Unknown fields are skipped
+    (newer SDKs add some), as protobuf does. CPU work proportional to the body: call it off the event loop."""
     try:
-        return _forward_backward(body)
-    except InvalidInput:
+        return _forward_backward(body, Bounds(limits))
+    except (InvalidInput, TooLarge):
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, struct.error):
         # A safety net for a gap in the readers above (a bug, logged): the body is still the caller's.
@@ -309,7 +358,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardRequest:
         raise InvalidInput("malformed ForwardBackwardRequest body", field="body") from None
 
 
-def _forward_backward(body: bytes) -> ForwardBackwardRequest:
+def _forward_backward(body: bytes, bounds: Bounds) -> ForwardBackwardRequest:
     req = ForwardBackwardRequest()
     v1: dict[str, float] = {}
     v2: dict[str, float | str] = {}
@@ -319,7 +368,7 @@ def _forward_backward(body: bytes) -> ForwardBackwardRequest:
         elif f.number == 2:
             req.seq_id = _int64(f, "seq_id")
         elif f.number == 3:
-            req.data.append(_datum(f, len(req.data)))
+            req.data.append(_datum(f, len(req.data), bounds))
         elif f.number == 4:
             req.loss_fn = _text(f, "loss_fn")
         elif f.number == 5:

@@ -102,8 +102,9 @@ def _unsupported(body: ASample) -> None:
 
 def _targets(tensor: dict[str, Any], prompt_len: int) -> tuple[tuple[int, ...], ...]:
     """The SDK's target_prompt_logprobs TensorData (int64 [P-1, K], dense or sparse CSR) as rows of ids,
-    -1 in every cell a sparse tensor leaves out. The shape is checked before anything is made; the ids by
-    the engine."""
+    -1 in every cell a sparse tensor leaves out. The shape is checked before anything is made (P is at most
+    the model's context, checked by the caller, so a sparse tensor expands to at most context x 100 cells);
+    the ids by the engine."""
     field = "target_prompt_logprobs"
     data, shape = tensor.get("data"), tensor.get("shape")
     crow, col = tensor.get("sparse_crow_indices"), tensor.get("sparse_col_indices")
@@ -146,14 +147,16 @@ def _chunk(chunk: Chunk, index: int) -> dict:
 @router.post("/asample")
 def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     _unsupported(body)
-    prompt = images.prompt([_chunk(c, j) for j, c in enumerate(body.prompt.chunks)], "prompt.chunks",
-                           images.ImageBudget(st.limits)) if body.prompt.chunks else []
     if body.sampling_session_id is not None:
         ref = sampler_ref(st, get_sampler(ts, body.sampling_session_id, who))
     elif body.model_path is not None:
         ref = schemas.WeightsRef(checkpoint_id=resolve_path(st, who, body.model_path).id)
     else:
         ref = schemas.WeightsRef(base_model=served(st, body.base_model))
+    _, base_model = resolve(st, who, ref)  # first: a model without vision refuses images before any is read
+    info = st.model_info(base_model)
+    prompt = images.prompt([_chunk(c, j) for j, c in enumerate(body.prompt.chunks)], "prompt.chunks",
+                           images.ImageBudget(st.limits, info, base_model)) if body.prompt.chunks else []
     last_n = body.prompt_logprobs_last_n
     if not 0 <= body.topk_sample_logprobs <= MAX_TOPK_PROMPT_LOGPROBS:  # the engine names it top_logprobs
         raise InvalidInput(f"topk_sample_logprobs must be from 0 to {MAX_TOPK_PROMPT_LOGPROBS}",
@@ -169,9 +172,9 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
         why = "max_tokens unset (sample to the end of the context)" if max_tokens is None else "target_prompt_logprobs"
         raise InvalidInput(f"{why} needs the prompt's length: give prompt.chunks[{unsized}] its expected_tokens",
                            field=f"prompt.chunks[{unsized}].expected_tokens")
+    images.check_context(length, info.max_context, "prompt.chunks")  # before target rows are made from it
     if max_tokens is None:  # until a stop or the end of the context
-        _, base_model = resolve(st, who, ref)
-        max_tokens = st.model_info(base_model).max_context - length
+        max_tokens = info.max_context - length
     params = SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                             seed=p.seed, stop=stop, num_samples=body.num_samples,
                             prompt_logprobs=bool(body.prompt_logprobs),

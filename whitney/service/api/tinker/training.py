@@ -130,36 +130,51 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
         raise InvalidInput("compressed forward_backward bodies are not supported (client/config does not ask "
                            "for them)", field="content-encoding")
     raw = await request.body()
-    req = proto.decode_forward_backward(raw)
+    # Decoded off the event loop, every declared size checked against the limits before anything is made of it
+    # (a 400 or 413 now).
+    req = await run_in_threadpool(proto.decode_forward_backward, raw, st.limits)
     kind = OperationKind.FORWARD if req.forward_only else OperationKind.FORWARD_BACKWARD
-    # Image chunks checked against the image limits and decoded once, off the event loop (a 400 or 413 now, like
-    # a malformed body); whether the model takes images, and the positions each fills, are checked below, a
-    # refusal failing in the operation's turn.
-    data = await run_in_threadpool(images.datums, req.data, images.ImageBudget(st.limits), "data[{i}].model_input")
-    lengths = [images.known_length(d.token_ids) for d in data]
-    check_operation(st.limits, lengths)
     job: Job
-    try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn)
-        config = loss_config(st.scheduler.backend.losses(), req.loss_fn, req.loss_fn_config)
-        config = custom_losses.resolve(st.store, who, req.loss_fn, config)
-        if any(images.has_images(d.token_ids) for d in data):
-            lengths = await run_in_threadpool(_image_lengths, st, who, req, data, config)
-            check_operation(st.limits, lengths)
-        job = ForwardJob(data, req.loss_fn, config, lengths)
+    try:  # a model without vision refuses image chunks before any is read (failing in the operation's turn)
+        budget = await run_in_threadpool(_image_budget, st, who, req)
     except WhitneyError as e:
         job = refused(e)
+    else:
+        # Image chunks checked against the image limits and decoded once, off the event loop (a 400 or 413 now,
+        # like a malformed body); the positions each fills are checked below, a refusal failing in its turn.
+        data = await run_in_threadpool(images.datums, req.data, budget, "data[{i}].model_input")
+        lengths = [images.known_length(d.token_ids) for d in data]
+        check_operation(st.limits, lengths)
+        try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn)
+            config = loss_config(st.scheduler.backend.losses(), req.loss_fn, req.loss_fn_config)
+            config = custom_losses.resolve(st.store, who, req.loss_fn, config)
+            if any(images.has_images(d.token_ids) for d in data):
+                lengths = await run_in_threadpool(_image_lengths, st, req, data, config)
+                check_operation(st.limits, lengths)
+            job = ForwardJob(data, req.loss_fn, config, lengths)
+        except WhitneyError as e:
+            job = refused(e)
     op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), job)
     return future(op, model_id=req.model_id)
 
 
-def _image_lengths(st: ServiceState, who: str, req: proto.ForwardBackwardRequest, data: list,
-                   config: dict) -> list[int]:
-    """Each datum's positions once the engine's processor has expanded its images (the token budgets and
-    the micro-batch planner read them); a model without images, or an image whose expected_tokens the
-    processor does not give, is the engine's InvalidInput."""
+def _image_budget(st: ServiceState, who: str, req: proto.ForwardBackwardRequest) -> images.ImageBudget:
+    """The request's image budget; when it holds an image, for its run's base model, and a model without vision
+    refuses the first image chunk here, before any image is read."""
+    first = next(((i, j) for i, d in enumerate(req.data) for j, c in enumerate(d["input"].get("chunks") or ())
+                  if c["type"] != "encoded_text"), None)
+    if first is None:
+        return images.ImageBudget(st.limits)
     base_model = st.store.get_run(req.model_id, who).base_model
-    first = next(i for i, d in enumerate(data) if images.has_images(d.token_ids))
-    images.refuse_images(st.model_info(base_model), base_model, f"data[{first}].model_input", first)
+    budget = images.ImageBudget(st.limits, st.model_info(base_model), base_model)
+    budget.admit_image(f"data[{first[0]}].model_input[{first[1]}]", first[0])
+    return budget
+
+
+def _image_lengths(st: ServiceState, req: proto.ForwardBackwardRequest, data: list, config: dict) -> list[int]:
+    """Each datum's positions once the engine's processor has expanded its images (the token budgets and
+    the micro-batch planner read them); an image whose expected_tokens the processor does not give is the
+    engine's InvalidInput."""
     total = st.scheduler.backend.validate(ForwardRequest(req.model_id, data, req.loss_fn, config), not req.forward_only)
     return images.expanded_lengths(data, total)
 
