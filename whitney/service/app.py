@@ -11,7 +11,6 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from starlette.routing import Match, Mount
 
 from whitney import backends
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable
@@ -24,7 +23,7 @@ from whitney.service.api.native import (capabilities, checkpoints, custom_losses
 from whitney.service.api.openai import routes as openai
 from whitney.service.console import create_console
 from whitney.service.http import handlers
-from whitney.service.http.bodies import read_body, replaying
+from whitney.service.http.bodies import path_methods, read_body, replaying
 from whitney.service.http.deps import ServiceState, Unauthorized, new_app
 from whitney.service.http.metrics import Metrics
 from whitney.service.http.text import TextCheck
@@ -32,10 +31,12 @@ from whitney.service.scheduling.limits import Limits
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.store.database import Store
 from whitney.service.store.key_limits import KeyLimits
-from whitney.service.store.keys import KeyGate, KeyRing
+from whitney.service.store.keys import OWNER_SCOPE_KEY, KeyGate, KeyRing
 from whitney.service.store.quotas import QuotaExceeded, Quotas
 
 log = logging.getLogger("whitney.service")
+# The most a request without a key may send (the console's sign-in form is the one such route that reads a body).
+OPEN_BODY_BYTES = 64 * 2**10
 STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429,
           Unavailable: 503}
 # What the error handlers below answer, so the OpenAPI document shows the real error body (not FastAPI's default).
@@ -143,7 +144,11 @@ def start_backend(config: ServiceConfig, shown: list[str]) -> ServedBackend:
 
 class BodyLimit:
     """413 for a body over the limit: a declared content-length is checked up front, and a body sent without
-    one (chunked) is read up to the limit before the app sees it, so neither way gets past the limit."""
+    one (chunked) is read up to the limit before the app sees it, so neither way gets past the limit.
+
+    A request KeyGate let through without a key (/healthz, signed downloads, the console, whose sign-in form is
+    the one such route that reads a body) may send at most OPEN_BODY_BYTES: no request without a key reads more.
+    """
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -151,21 +156,23 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.limit if OWNER_SCOPE_KEY in scope else min(self.limit, OPEN_BODY_BYTES)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
-            if length.isdigit() and int(length) > self.limit:
-                return await self._too_large(scope, receive, send, f"request body of {int(length)} bytes")
+            if length.isdigit() and int(length) > limit:
+                return await self._too_large(scope, receive, send, f"request body of {int(length)} bytes", limit)
             return await self.app(scope, receive, send)
-        body, size = await read_body(receive, self.limit)
+        body, size = await read_body(receive, limit)
         if body is None:
-            if size > self.limit:
-                return await self._too_large(scope, receive, send, f"request body of more than {size - 1} bytes")
+            if size > limit:
+                return await self._too_large(scope, receive, send, f"request body of more than {size - 1} bytes",
+                                             limit)
             return  # the client went away
         await self.app(scope, replaying(body, receive), send)
 
-    async def _too_large(self, scope, receive, send, what: str) -> None:
+    async def _too_large(self, scope, receive, send, what: str, limit: int) -> None:
         response = JSONResponse(status_code=413, content={
-            "code": "too_large", "field": "body", "message": f"{what} exceeds the limit of {self.limit}"})
+            "code": "too_large", "field": "body", "message": f"{what} exceeds the limit of {limit}"})
         await response(scope, receive, send)
 
 
@@ -198,21 +205,6 @@ class AllowedMethods:
 
 def _allow(methods: set[str]) -> str:
     return ", ".join(sorted(methods | {"OPTIONS"}))
-
-
-def path_methods(routes, scope) -> set[str]:
-    """Every method the app answers at the request's path: each is tried on the routes as the router would
-    match it, through mounted apps (the Tinker one) too. HEAD only where a route answers it (FastAPI's GET
-    routes do not)."""
-    return {m for m in ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT") if _answers(routes, {**scope, "method": m})}
-
-
-def _answers(routes, scope) -> bool:
-    for route in routes:
-        match, child = route.matches(scope)
-        if match is Match.FULL and (not isinstance(route, Mount) or _answers(route.routes, {**scope, **child})):
-            return True
-    return False
 
 
 @dataclass
