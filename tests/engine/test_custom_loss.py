@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from tests.engine.test_losses import new_run_id, randomize_B
 from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
+from whitney.engine.losses import custom as custom_graph
+from whitney.engine.losses import custom_run
 from whitney.engine.losses.builtin import custom, loss_spec
 from whitney.engine.losses.custom import MAX_NODES, compile_loss
 from whitney.errors import InvalidInput
@@ -298,7 +300,7 @@ def _deep(n: int):
 
 
 # Each refused naming the node 'bad' (or, for the output, 'output'). "create": by compile_loss alone;
-# "run": when it meets a datum (the engine's dry run, before the batch).
+# "run": when it meets a datum (planned from the datum's shapes, before the batch).
 HOSTILE = {
     "eval": ("create", graph(fn_node("bad", "builtins.eval", "__import__('os')"))),
     "bare eval": ("create", graph(fn_node("bad", "eval", "1"))),
@@ -345,24 +347,31 @@ HOSTILE = {
                                       fn_node("bad", "operator.mul", R("shape"), 10**9))),
     "complex": ("run", graph(fn_node("bad", "operator.pow", -8, 0.5))),
     "shape error": ("run", graph(fn_node("z", "torch.zeros", 3), fn_node("bad", "operator.add", R("logprobs"), R("z")))),
+    # An index list out of range is a device fault on an accelerator: refused from the shapes, never run.
+    "index list out of range": ("run", graph(fn_node("bad", "operator.getitem", R("logprobs"), [0, 10**6]))),
+    "nested index list": ("run", graph(fn_node("bad", "operator.getitem", R("logprobs"), [[0], [0]]))),
+    "value as a number": ("run", graph(method("total", "sum", R("logprobs")),
+                                       fn_node("bad", "math.floor", R("total")))),
+    "where as nonzero": ("run", graph(fn_node("mask", "operator.gt", R("weights"), 0),
+                                      fn_node("bad", "torch.where", R("mask")))),
 }
 
 
 def test_a_graph_failing_only_on_real_values_fails_alone_in_its_batch(engine, tiny_llama):
-    """The dry run (log-probs -1) cannot see a shape that depends on values; the batch isolates it."""
+    """The plan (a mask keeps every element) cannot see a shape that depends on values; the batch isolates it."""
     a, b = two_runs(engine, tiny_llama)
     data = engine_data("weighted_nll")
     value_shaped = graph(method("mean", "mean", R("logprobs")), fn_node("mask", "operator.le", R("logprobs"), R("mean")),
                          fn_node("picked", "operator.getitem", R("logprobs"), R("mask")),
                          fn_node("bad", "operator.add", R("picked"), R("weights")))
     ce = [Datum(d.token_ids, {"target_tokens": d.loss_inputs["target_tokens"]}) for d in data]
-    engine.validate(ForwardRequest(a, data, "custom", value_shaped), backward=True)  # the dry run passes it
+    engine.validate(ForwardRequest(a, data, "custom", value_shaped), backward=True)  # the plan passes it
     alone = engine.forward(b, ce)
     engine.get_run(b).grads.clear()
     failed, ok = engine.run_batch([ForwardRequest(a, data, "custom", value_shaped), ForwardRequest(b, ce)],
                                   backward=True)
     assert isinstance(failed, InvalidInput) and "'bad'" in failed.message and failed.datum_index == 0
-    assert "failed" in failed.message  # at run time, not by the dry run's bound checks
+    assert "failed" in failed.message  # at run time, on the real shapes, not by the plan
     assert ok.loss == pytest.approx(alone.loss, rel=1e-5)
     assert not engine.get_run(a).grads and engine.get_run(b).grads
 
@@ -411,3 +420,130 @@ def test_hostile_graphs_are_refused_naming_the_node_and_the_engine_trains_after(
     engine.optim_step(run, {"learning_rate": 0.05})
     after = engine.forward(run, data, "custom", definition(fn, ranks)).loss
     assert np.isfinite(after) and after < before
+
+
+# ---- sizes from every argument, before anything is made (issue 31, item 4) ------------------------------
+
+
+def one_token_data(n: int) -> list[Datum]:
+    """n datums of one target token each (the issue's cheapest carrier of a graph)."""
+    return [Datum([5 + i], {"target_tokens": {"dtype": "int64", "shape": [1], "values": [7 + i]},
+                            "weights": {"dtype": "float32", "shape": [1], "values": [1.0]}}) for i in range(n)]
+
+
+class RealCalls:
+    """Wraps an allow-listed function and records each call that is not on meta tensors (the plan's), and the
+    most elements such a call read (the plan reads an op's dtype off one-element stand-ins)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls, self.largest = fn, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        tensors = [v for v in custom_graph.flat(args + tuple(kwargs.values())) if isinstance(v, torch.Tensor)]
+        if kwargs.get("device") != "meta" and not any(t.is_meta for t in tensors):
+            self.calls += 1
+            self.largest = max([self.largest] + [t.numel() for t in tensors])
+        return self.fn(*args, **kwargs)
+
+
+def spy(monkeypatch, target: str) -> RealCalls:
+    fn, rule = custom_graph.FUNCTIONS[target]
+    wrapped = RealCalls(fn)
+    monkeypatch.setitem(custom_graph.FUNCTIONS, target, (wrapped, rule))
+    return wrapped
+
+
+# Each makes far more than the size bound (65536 elements for these datums) from an argument the old bound
+# did not read: arange's keywords, an index list (positional or nested in a tuple) over a wide tensor.
+OVERSIZED = {
+    "arange by keywords": ("torch.arange", [fn_node("bad", "torch.arange", start=-2.5e6, end=0.0, step=1.0)]),
+    "arange with a tiny step": ("torch.arange", [fn_node("bad", "torch.arange", 0, 1, step=4e-7)]),
+    "arange end by keyword": ("torch.arange", [fn_node("bad", "torch.arange", 0, end=10**7)]),
+    "index list": ("operator.getitem", [fn_node("wide", "torch.zeros", 1, 65536),
+                                        fn_node("bad", "operator.getitem", R("wide"), [0] * 60)]),
+    "nested index list in a tuple": ("operator.getitem", [
+        fn_node("wide", "torch.zeros", 1, 65536),
+        fn_node("bad", "operator.getitem", R("wide"), {"tuple": [[[0] * 6] * 6]})]),
+}
+
+
+@pytest.mark.parametrize("label", list(OVERSIZED))
+def test_a_size_in_any_argument_is_refused_before_the_tensor_is_made(engine, tiny_llama, monkeypatch, label):
+    target, body = OVERSIZED[label]
+    calls = spy(monkeypatch, target)
+    run = new_run_id()
+    engine.create_run(run, tiny_llama, LORA)
+    with pytest.raises(InvalidInput) as e:
+        engine.forward_backward(run, engine_data("weighted_nll"), "custom", graph(*body))
+    assert "'bad'" in e.value.message and "over the bound of 65536" in e.value.message, e.value.message
+    assert e.value.field == "loss_config.graph" and e.value.datum_index == 0
+    assert calls.calls == 0  # never run on real tensors: refused from the shapes alone
+    assert not engine.get_run(run).grads
+
+
+# ---- the work a graph does, budgeted per request (issue 31, item 3) ------------------------------------
+
+
+def amplifier(repeats: int) -> dict:
+    """The issue's graph: one element expanded to 65536, reduced again and again (each read costs 65536)."""
+    body = [fn_node("first", "operator.getitem", R("logprobs"), {"slice": [0, 1, None]}),
+            method("wide", "expand", R("first"), 65536)]
+    body += [fn_node(f"lse{i}", "torch.logsumexp", R("wide"), 0) for i in range(repeats)]
+    return graph(*body)
+
+
+def test_work_counts_what_every_node_reads_and_makes_expanded_views_in_full():
+    program = compile_loss(amplifier(1))
+    plan = custom_run.plan_for(program, (((1,), torch.float32), ((1,), torch.float32)))
+    W = custom_run.NODE_WORK
+    # getitem reads 1, makes 1; expand reads 1, makes a 65536-element view; logsumexp reads all 65536 of it
+    # and makes 1; the loss (logprobs.sum()) reads 1, makes 1.
+    assert plan.work == (W + 2) + (W + 1 + 65536) + (W + 65536 + 1) + (W + 2)
+    assert plan.made == (1, 65536, 1, 1) and not plan.masked
+
+
+def test_the_issues_amplifier_is_refused_before_any_of_it_runs(engine, tiny_llama, monkeypatch):
+    calls = spy(monkeypatch, "torch.logsumexp")
+    run = new_run_id()
+    engine.create_run(run, tiny_llama, LORA)
+    spec = amplifier(MAX_NODES - 6)  # 250 reductions of an expanded view, as in the issue
+    for n in (1, 12):
+        with pytest.raises(InvalidInput) as e:
+            engine.validate(ForwardRequest(run, one_token_data(n), "custom", spec), backward=True)
+        assert e.value.field == "loss_config.graph" and e.value.datum_index == 0
+        assert "work budget" in e.value.message and f"{custom_run.budget(n)}" in e.value.message
+    with pytest.raises(InvalidInput):
+        engine.forward_backward(run, one_token_data(12), "custom", spec)
+    assert calls.largest <= 1 and not engine.get_run(run).grads  # never over the 65536-element view
+
+
+def test_the_work_budget_adds_up_over_a_requests_datums(engine, tiny_llama):
+    """Each datum fits alone; the request is refused at the first datum that takes the sum over its budget."""
+    run = new_run_id()
+    engine.create_run(run, tiny_llama, LORA)
+    spec = graph(*[fn_node(f"e{i}", "torch.exp", R("logprobs")) for i in range(20)])
+    cost = custom_run.plan_for(compile_loss(spec), (((1,), torch.float32), ((1,), torch.float32))).cost
+    assert cost > custom_run.WORK_PER_LOGPROB  # a one-token datum costs more than it brings
+    fits = custom_run.WORK_BASE // (cost - custom_run.WORK_PER_LOGPROB)  # n x cost <= budget(n)
+    assert engine.validate(ForwardRequest(run, one_token_data(fits), "custom", spec), backward=True) == fits
+    over = fits + 1
+    with pytest.raises(InvalidInput) as e:
+        engine.validate(ForwardRequest(run, one_token_data(over), "custom", spec), backward=True)
+    assert e.value.datum_index == custom_run.budget(over) // cost  # the first datum past the budget
+    assert f"work budget of {custom_run.budget(over)}" in e.value.message
+
+
+def test_a_masked_graph_is_planned_at_its_worst_and_runs_on_the_real_shapes():
+    def kept(logprobs, weights):
+        picked = logprobs[weights > 0]
+        return -picked.sum() + picked.numel(), {"custom/kept:sum": (weights > 0).float().sum()}
+
+    spec, config = loss_spec("custom").configure(definition(kept, {"logprobs": 1, "weights": 1}))
+    plan = custom_run.plan_for(config["program"], (((4,), torch.float32), ((4,), torch.float32)))
+    assert plan.masked and plan.cost > plan.work
+    lp = torch.tensor([-1.0, -2.0, -3.0, -4.0], requires_grad=True)
+    weights = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    out = custom(lp, {"weights": weights, "datum_index": torch.zeros(4, dtype=torch.long)}, config)
+    assert float(out.loss) == pytest.approx(4.0 + 2) and out.metrics["custom/kept:sum"] == 2
+    (grad,) = torch.autograd.grad(out.loss, lp)
+    assert grad.tolist() == [-1.0, 0.0, -1.0, 0.0]

@@ -189,3 +189,44 @@ def test_an_unknown_loss_id_fails_its_future_as_a_user_error(service_client, tin
     # The failed request held its seq_id; the real handle runs after it.
     out = tc.forward_backward_custom(tinker_data(items(), ()), handle).result()
     close(out.metrics["loss:sum"], -sum(np.mean(lp) for lp in sdk_logprobs(out)))
+
+
+def amplified(logprobs):
+    """Issue 31's amplifier: one element expanded to 65536, reduced 120 times (cheap to send, each read costly)."""
+    wide = logprobs[:1].expand(65536)
+    loss = logprobs.sum()
+    for _ in range(120):
+        loss = loss + torch.logsumexp(wide, 0)
+    return loss, {}
+
+
+def test_a_graph_over_the_work_budget_is_refused_on_both_apis_and_nothing_runs(service_client, tinker_env,
+                                                                                tiny_llama):
+    import tinker
+
+    handle = service_client.create_custom_loss(amplified, {"logprobs": 1}).result()  # well-formed: stored
+    tc = service_client.create_lora_training_client(base_model=tiny_llama, rank=RANK, seed=SEED).result()
+    with pytest.raises(tinker.RequestFailedError) as info:  # Tinker: the future fails as the user's error
+        tc.forward_backward_custom(tinker_data(items(), ()), handle).result()
+    assert info.value.category == tinker.types.RequestErrorCategory.User
+    assert "work budget" in str(info.value)
+    client = whitney.Client(tinker_env.url)
+    session = client.create_session()
+    try:
+        run = session.create_run(tiny_llama, rank=RANK, seed=SEED)
+        data = [{"input": {"token_ids": d["tokens"][:-1].tolist()},
+                 "loss_inputs": {"target_tokens": {"dtype": "int64", "shape": [len(d["target_tokens"])],
+                                                   "values": d["target_tokens"].tolist()}}} for d in items()]
+        with raw(tinker_env.url) as http:  # native: a 400 naming the field and the budget, and no operation
+            r = http.post(f"/v1/runs/{run.id}/forward_backward", json={
+                "seq_id": 0, "data": data, "loss_function": "custom", "loss_config": {"loss_id": handle.loss_id}})
+            assert r.status_code == 400, r.text
+            body = r.json()
+            assert body["field"] == "loss_config.graph" and "work budget" in body["message"], body
+            assert body["datum_index"] == 0
+            assert http.get(f"/v1/runs/{run.id}/operations").json() == []
+        # The same seq_id is still free, and the run trains.
+        assert np.isfinite(run.forward_backward(data, "cross_entropy").result()["loss"])
+    finally:
+        session.close()
+        client.close()

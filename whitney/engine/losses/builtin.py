@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from whitney.engine.losses import custom as custom_loss
+from whitney.engine.losses import custom_run
 from whitney.engine.losses import opsd
 from whitney.engine.losses.datum import FieldSpec, PreparedDatum
 from whitney.engine.losses.table import SCALAR, LossOutput, LossSpec, Param, lookup
@@ -136,7 +137,7 @@ def custom(lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> L
             values = [x] + [inputs[name][b] if rank == 0 else inputs[name][start:start + n]
                             for name, rank in program.inputs[1:]]
             try:
-                loss_b, metrics_b = custom_loss.run_program(program, values)
+                loss_b, metrics_b = custom_run.run_program(program, values)
             except InvalidInput as e:  # the batch step fails this request alone (Engine._compute)
                 raise InvalidInput(f"datum {b}: {e.message}", field=e.field, datum_index=b) from None
             g = torch.autograd.grad(loss_b, x, allow_unused=True)[0] if loss_b.requires_grad else None
@@ -168,21 +169,20 @@ def _custom_bind(raw: dict) -> tuple[LossSpec, dict]:
     return replace(LOSSES["custom"], inputs=inputs, required=frozenset(inputs)), {"program": program}
 
 
-def _custom_row(d: PreparedDatum, index: int, config: dict) -> None:
-    """Ranks as declared, then a dry run of the graph on this datum's shapes (log-probs -1), so a graph
-    that fails on them is refused before it joins a batch with other runs."""
+def _custom_check(datums: list[PreparedDatum], config: dict) -> None:
+    """Ranks as declared, then the graph planned on each datum's shapes (custom_run.check_budget): a node over
+    a size bound or failing on those shapes, or a request over its work budget, is refused before anything
+    runs, and before the request joins a batch with other runs."""
     program = config["program"]
-    for name, rank in ((n, r) for n, r in program.inputs if r > 0):
-        t = d.inputs["target_tokens" if name == "logprobs" else name]
-        check(t.dim() == rank, f"datum {index}: {'target_tokens' if name == 'logprobs' else name} has rank "
-              f"{t.dim()}, but custom loss {program.name!r} declares {name} with rank {rank}",
-              field="target_tokens" if name == "logprobs" else name, datum_index=index)
-    values = [torch.full(d.inputs["target_tokens"].shape, -1.0, device="cpu")] + [d.inputs[n] for n, _ in program.inputs[1:]]
-    try:
-        with torch.no_grad():
-            custom_loss.run_program(program, values)
-    except InvalidInput as e:
-        raise InvalidInput(f"datum {index}: {e.message}", field=e.field, datum_index=index) from None
+    for index, d in enumerate(datums):
+        for name, rank in ((n, r) for n, r in program.inputs if r > 0):
+            t = d.inputs["target_tokens" if name == "logprobs" else name]
+            check(t.dim() == rank, f"datum {index}: {'target_tokens' if name == 'logprobs' else name} has rank "
+                  f"{t.dim()}, but custom loss {program.name!r} declares {name} with rank {rank}",
+                  field="target_tokens" if name == "logprobs" else name, datum_index=index)
+    shapes = [((tuple(d.inputs["target_tokens"].shape), torch.float32),  # the learner's log-probs
+               *((tuple(d.inputs[n].shape), d.inputs[n].dtype) for n, _ in program.inputs[1:])) for d in datums]
+    custom_run.check_budget(program, shapes, sum(int(d.inputs["target_tokens"].numel()) for d in datums))
 
 
 # ---- loss_config: each key once, with its default and rule; the cross-key rules --------------------
@@ -246,7 +246,7 @@ LOSSES: dict[str, LossSpec] = {spec.name: spec for spec in (
              check_row=_gspo_row),
     opsd.SPEC,
     # One entry for every custom graph: `bind` specialises it to the graph in loss_config.
-    LossSpec("custom", custom, {}, frozenset(), check_row=_custom_row, bind=_custom_bind),
+    LossSpec("custom", custom, {}, frozenset(), check_datums=_custom_check, bind=_custom_bind),
 )}
 LOSS_NAMES = tuple(LOSSES)
 # Names the Tinker SDK knows that this table does not serve, and why (a clearer 400 than "unknown").

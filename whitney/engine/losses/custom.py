@@ -6,9 +6,11 @@ The definition is plain data, `{"name", "inputs": [{"name", "rank"}], "graph": {
 and `compile_loss` turns it into a `Program` or refuses it (InvalidInput naming the node: its index,
 name and target). Nothing from the client is ever executed as Python: a call target is only a key into
 `FUNCTIONS`, a method name only a member of `METHODS`, an attribute only one of `ATTRIBUTES`; constants
-are numbers, booleans, None, short strings, slices and dtypes; every tensor a node would make is bounded
-before it is made (`_bound`). The graph runs on detached copies of each datum's log-probs, so it never
-holds the model's tensors; its gradient reaches the model through the log-probs (chain rule, exact).
+are numbers, booleans, None, short strings, slices and dtypes. Before a graph touches a datum it is
+planned from the datum's shapes alone (custom_run.py): every node sized from all its arguments, and its
+work counted against the request's work budget. The graph runs on detached copies of each datum's
+log-probs, so it never holds the model's tensors; its gradient reaches the model through the log-probs
+(chain rule, exact).
 
 Per datum b the graph gives (L_b, metrics_b); the loss is sum_b L_b. Metrics keyed `custom/<name>:sum`
 add over datums, `custom/<name>:mean` are their mean over datums (as the SDK's client-side path reduces).
@@ -21,7 +23,7 @@ import json
 import math
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,21 +38,16 @@ MAX_VALUES = 64  # constants and refs in one node's args and kwargs, nested incl
 MAX_DEPTH = 4  # nesting of lists, tuples, dicts and slices in one argument
 MAX_DEFINITION_BYTES = 256 * 1024
 MAX_STRING = 64
-# A tensor a node makes holds at most max(MIN_ELEMENTS, ELEMENT_FACTOR x the datum's largest input)
-# elements, and all of one datum's nodes together TOTAL_FACTOR times that.
-MIN_ELEMENTS = 1 << 16
-ELEMENT_FACTOR = 4
-TOTAL_FACTOR = 64
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(" + "|".join(METRIC_REDUCTIONS) + ")")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
-# How the size of what an op makes is bounded before it runs: "same" (no larger than its largest tensor
-# argument: elementwise, reductions, views, indexing by ints and slices), "broadcast" (the broadcast of its
-# tensor arguments), "size" (a size given in its arguments: zeros, ones, full, arange...), "concat" (the
-# sum of its tensors), "expand" (a target shape), "repeat" (the tensor times the repeats).
+# Each op's rule, in words (custom_run.py sizes every node from its arguments as torch reads them): "same"
+# (elementwise, reductions, views, indexing), "broadcast" (the broadcast of its tensor arguments), "size" (a
+# size given in its arguments: zeros, ones, full, arange, tensor; made on the datum's device), "concat",
+# "expand", "repeat".
 _UNARY = ("exp", "log", "log1p", "expm1", "log2", "exp2", "abs", "neg", "sqrt", "rsqrt", "square", "sign",
           "sigmoid", "tanh", "relu", "floor", "ceil", "round", "trunc", "reciprocal", "isfinite", "isnan",
           "isinf", "logical_not", "nan_to_num", "sum", "mean", "prod", "amax", "amin", "argmax", "argmin",
@@ -110,7 +107,7 @@ class Step:
     name: str
     target: str
     fn: Callable  # from FUNCTIONS, or a bound-method caller for METHODS
-    rule: str  # how _bound sizes what it makes
+    rule: str  # the op's rule (above); "size": made on the datum's device
     args: tuple
     kwargs: dict
 
@@ -125,9 +122,11 @@ class Program:
     loss: Any  # a Ref or a constant
     metrics: dict[str, Any]
     output: tuple[int, str]  # the output node's index and name
+    # The plans of the datum shapes this program has met (custom_run.plan_for), by (shape, dtype) of each input.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-def _refuse(where: str, rule: str) -> InvalidInput:
+def refuse(where: str, rule: str) -> InvalidInput:
     return InvalidInput(f"custom loss: {where}: {rule}", field="loss_config.graph")
 
 
@@ -161,7 +160,7 @@ def compile_loss(definition: Any) -> Program:
         raise InvalidInput("graph.nodes must be a non-empty list of nodes", field="graph.nodes")
     if len(nodes) > MAX_NODES:
         node = nodes[MAX_NODES] if isinstance(nodes[MAX_NODES], dict) else {}
-        raise _refuse(_where(MAX_NODES, node), f"a graph has at most {MAX_NODES} nodes, this one {len(nodes)}")
+        raise refuse(_where(MAX_NODES, node), f"a graph has at most {MAX_NODES} nodes, this one {len(nodes)}")
     seen: set[str] = set()
     steps: list[Step] = []
     placeholders: list[str] = []
@@ -169,52 +168,52 @@ def compile_loss(definition: Any) -> Program:
     for i, node in enumerate(nodes):
         if not isinstance(node, dict) or not {"op", "name", "target"} <= set(node) <= {"op", "name", "target",
                                                                                       "args", "kwargs"}:
-            raise _refuse(f"node {i}", "a node is {op, name, target, args, kwargs}")
+            raise refuse(f"node {i}", "a node is {op, name, target, args, kwargs}")
         where = _where(i, node)
         op, target = node["op"], node["target"]
         if not isinstance(node["name"], str) or not NAME.fullmatch(node["name"]) or node["name"] in seen:
-            raise _refuse(where, "a node's name is a unique identifier of at most 64 characters")
+            raise refuse(where, "a node's name is a unique identifier of at most 64 characters")
         if not isinstance(target, str) or len(target) > 128:
-            raise _refuse(where, "a node's target is a name of at most 128 characters")
+            raise refuse(where, "a node's target is a name of at most 128 characters")
         if output is not None:
-            raise _refuse(where, "no node may follow the output node")
+            raise refuse(where, "no node may follow the output node")
         args, kwargs = node.get("args", []), node.get("kwargs", {})
         if not isinstance(args, list) or not isinstance(kwargs, dict):
-            raise _refuse(where, "args is a list and kwargs an object")
+            raise refuse(where, "args is a list and kwargs an object")
         count = [0]
         args = tuple(_decode(a, seen, where, count, 0) for a in args)
         for key in kwargs:
             if key not in _KWARGS:
-                raise _refuse(where, f"keyword {key!r} is not allowed; allowed: {sorted(_KWARGS)}")
+                raise refuse(where, f"keyword {key!r} is not allowed; allowed: {sorted(_KWARGS)}")
         kwargs = {k: _decode(v, seen, where, count, 0) for k, v in kwargs.items()}
         if op == "placeholder":
             if steps or args or kwargs:
-                raise _refuse(where, "placeholders come first and take no arguments")
+                raise refuse(where, "placeholders come first and take no arguments")
             placeholders.append(target)
         elif op == "call_function":
             if target not in FUNCTIONS:
-                raise _refuse(where, "this function is not in the allow-list of torch, math and operator functions")
+                raise refuse(where, "this function is not in the allow-list of torch, math and operator functions")
             fn, rule = FUNCTIONS[target]
             if target == "getattr":
                 if len(args) != 2 or kwargs or not isinstance(args[0], Ref) or args[1] not in ATTRIBUTES:
-                    raise _refuse(where, f"getattr reads only {sorted(ATTRIBUTES)} of a node")
-            elif any(isinstance(v, str) for v in _flat(args + tuple(kwargs.values()))) and target != "torch.div":
-                raise _refuse(where, "string arguments are allowed only for getattr and div's rounding_mode")
+                    raise refuse(where, f"getattr reads only {sorted(ATTRIBUTES)} of a node")
+            elif any(isinstance(v, str) for v in flat(args + tuple(kwargs.values()))) and target != "torch.div":
+                raise refuse(where, "string arguments are allowed only for getattr and div's rounding_mode")
             steps.append(Step(i, node["name"], target, fn, rule, args, kwargs))
         elif op == "call_method":
             if target not in METHODS:
-                raise _refuse(where, "this tensor method is not in the allow-list")
+                raise refuse(where, "this tensor method is not in the allow-list")
             if not args or not isinstance(args[0], Ref):
-                raise _refuse(where, "a method is called on a node")
-            if any(isinstance(v, str) for v in _flat(args + tuple(kwargs.values()))) and target != "div":
-                raise _refuse(where, "string arguments are allowed only for getattr and div's rounding_mode")
+                raise refuse(where, "a method is called on a node")
+            if any(isinstance(v, str) for v in flat(args + tuple(kwargs.values()))) and target != "div":
+                raise refuse(where, "string arguments are allowed only for getattr and div's rounding_mode")
             if target == "to" and not all(isinstance(v, (torch.dtype, Ref)) for v in args[1:] + tuple(kwargs.values())):
-                raise _refuse(where, "to() takes only a dtype (tensors stay on the server's device)")
+                raise refuse(where, "to() takes only a dtype (tensors stay on the server's device)")
             steps.append(Step(i, node["name"], target, _method(target), METHODS[target], args, kwargs))
         elif op == "output":
             output = (i, node["name"], args)
         else:  # get_attr (a captured tensor), call_module (torch.nn modules), anything else
-            raise _refuse(where, f"op {op!r} is not allowed; a custom loss is placeholders, call_function, "
+            raise refuse(where, f"op {op!r} is not allowed; a custom loss is placeholders, call_function, "
                                  "call_method and one output")
         seen.add(node["name"])
     if placeholders != [n for n, _ in inputs]:
@@ -225,10 +224,10 @@ def compile_loss(definition: Any) -> Program:
     index, out_name, out_args = output
     value = out_args[0] if len(out_args) == 1 else None
     if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], dict)):
-        raise _refuse(f"node {index} ({out_name!r}, output)", "the output is (loss, {metric key: value})")
+        raise refuse(f"node {index} ({out_name!r}, output)", "the output is (loss, {metric key: value})")
     for key in value[1]:
         if not METRIC_KEY.fullmatch(key):
-            raise _refuse(f"node {index} ({out_name!r}, output)", f"metric {key!r} must be named "
+            raise refuse(f"node {index} ({out_name!r}, output)", f"metric {key!r} must be named "
                           "custom/<name>:sum or custom/<name>:mean in lowercase")
     return Program(name, inputs, tuple(steps), value[0], dict(value[1]), (index, out_name))
 
@@ -258,29 +257,29 @@ def _decode(value: Any, seen: set[str], where: str, count: list[int], depth: int
     """One encoded argument as a value: a Ref, a constant or a container of them (the SDK's encoding)."""
     count[0] += 1
     if count[0] > MAX_VALUES or depth > MAX_DEPTH:
-        raise _refuse(where, f"arguments hold at most {MAX_VALUES} values, nested at most {MAX_DEPTH} deep")
+        raise refuse(where, f"arguments hold at most {MAX_VALUES} values, nested at most {MAX_DEPTH} deep")
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if abs(value) > 2**53:
-            raise _refuse(where, f"integer constants are at most 2**53 in magnitude, got {value}")
+            raise refuse(where, f"integer constants are at most 2**53 in magnitude, got {value}")
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise _refuse(where, "a non-finite float is sent as {\"float\": \"inf\"}")
+            raise refuse(where, "a non-finite float is sent as {\"float\": \"inf\"}")
         return value
     if isinstance(value, str):
         if len(value) > MAX_STRING:
-            raise _refuse(where, f"string constants are at most {MAX_STRING} characters")
+            raise refuse(where, f"string constants are at most {MAX_STRING} characters")
         return value
     if isinstance(value, list):
         return [_decode(v, seen, where, count, depth + 1) for v in value]
     if not (isinstance(value, dict) and len(value) == 1):
-        raise _refuse(where, f"an argument of type {type(value).__name__} is not allowed")
+        raise refuse(where, f"an argument of type {type(value).__name__} is not allowed")
     (kind, inner), = value.items()
     if kind == "ref":
         if inner not in seen:
-            raise _refuse(where, f"it refers to {inner!r}, which is no earlier node")
+            raise refuse(where, f"it refers to {inner!r}, which is no earlier node")
         return Ref(inner)
     if kind == "tuple" and isinstance(inner, list):
         return tuple(_decode(v, seen, where, count, depth + 1) for v in inner)
@@ -289,7 +288,7 @@ def _decode(value: Any, seen: set[str], where: str, count: list[int], depth: int
     if kind == "slice" and isinstance(inner, list) and len(inner) == 3:
         parts = [_decode(v, seen, where, count, depth + 1) for v in inner]
         if not all(p is None or isinstance(p, (int, Ref)) and not isinstance(p, bool) for p in parts):
-            raise _refuse(where, "a slice holds integers, None or nodes")
+            raise refuse(where, "a slice holds integers, None or nodes")
         return slice(*parts)
     if kind == "ellipsis" and inner is True:
         return Ellipsis
@@ -297,19 +296,19 @@ def _decode(value: Any, seen: set[str], where: str, count: list[int], depth: int
         return float(inner)
     if kind == "dtype" and inner in DTYPES:
         return DTYPES[inner]
-    raise _refuse(where, f"argument {{{kind!r}: ...}} is not allowed (devices, layouts and memory formats "
+    raise refuse(where, f"argument {{{kind!r}: ...}} is not allowed (devices, layouts and memory formats "
                          f"included: tensors stay where the server puts them); dtypes: {sorted(DTYPES)}")
 
 
-def _flat(values) -> list:
+def flat(values) -> list:
     out = []
     for v in values:
         if isinstance(v, (list, tuple)):
-            out += _flat(v)
+            out += flat(v)
         elif isinstance(v, dict):
-            out += _flat(tuple(v.values()))
+            out += flat(tuple(v.values()))
         elif isinstance(v, slice):
-            out += _flat((v.start, v.stop, v.step))
+            out += flat((v.start, v.stop, v.step))
         else:
             out.append(v)
     return out
@@ -324,142 +323,16 @@ def _method(name: str) -> Callable:
     return call
 
 
-# ---- running ------------------------------------------------------------------------------------------
-
-def run_program(program: Program, values: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One datum: the graph on its inputs (in `program.inputs` order) -> (scalar loss, metrics).
-
-    A failing node, a tensor over the size bound or a non-scalar loss is InvalidInput naming the node."""
-    env: dict[str, Any] = {name: v for (name, _), v in zip(program.inputs, values)}
-    largest = max(int(v.numel()) for v in values)
-    cap = max(MIN_ELEMENTS, ELEMENT_FACTOR * largest)
-    budget = TOTAL_FACTOR * cap
-    device = values[0].device
-    for step in program.steps:
-        where = f"node {step.index} ({step.name!r}, {step.target})"
-        args = _resolve(step.args, env)
-        kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
-        if step.rule == "size":
-            kwargs["device"] = device  # made on the datum's device (no argument names one)
-        _bound(step, args, kwargs, cap, where)
-        try:
-            out = step.fn(*args, **kwargs)
-        except (RuntimeError, TypeError, ValueError, IndexError, ZeroDivisionError, OverflowError,
-                AttributeError, KeyError) as e:
-            raise _refuse(where, f"failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
-        for t in _flat((out,)):
-            if isinstance(t, complex) or isinstance(t, torch.Tensor) and t.is_complex():
-                raise _refuse(where, "makes a complex number; a custom loss is real-valued")
-            if isinstance(t, torch.Tensor):
-                if t.numel() > cap:
-                    raise _refuse(where, f"makes a tensor of {t.numel()} elements, over the bound of {cap}")
-                budget -= int(t.numel())
-        if budget < 0:
-            raise _refuse(where, f"the graph's tensors exceed {TOTAL_FACTOR * cap} elements in all")
-        if isinstance(out, int) and abs(out) > 2**63:
-            raise _refuse(where, "makes an integer over 2**63")
-        env[step.name] = out
-    where = f"node {program.output[0]} ({program.output[1]!r}, output)"
-    loss = _resolve(program.loss, env)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise _refuse(where, f"the loss must be a scalar floating-point tensor, got {shape}")
-    metrics = {}
-    for key, ref in program.metrics.items():
-        v = _resolve(ref, env)
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.detach().reshape(())
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            v = torch.tensor(float(v), device=loss.device)
-        else:
-            raise _refuse(where, f"metric {key!r} must be a one-element tensor or a number")
-        metrics[key] = v
-    return loss, metrics
-
-
-def _resolve(value: Any, env: dict[str, Any]) -> Any:
+def resolve(value: Any, env: dict[str, Any]) -> Any:
+    """An argument with its Refs replaced by the values `env` holds for them."""
     if isinstance(value, Ref):
         return env[value.name]
     if isinstance(value, tuple):
-        return tuple(_resolve(v, env) for v in value)
+        return tuple(resolve(v, env) for v in value)
     if isinstance(value, list):
-        return [_resolve(v, env) for v in value]
+        return [resolve(v, env) for v in value]
     if isinstance(value, dict):
-        return {k: _resolve(v, env) for k, v in value.items()}
+        return {k: resolve(v, env) for k, v in value.items()}
     if isinstance(value, slice):
-        return slice(_resolve(value.start, env), _resolve(value.stop, env), _resolve(value.step, env))
+        return slice(resolve(value.start, env), resolve(value.stop, env), resolve(value.step, env))
     return value
-
-
-def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
-
-
-def _bound(step: Step, args: tuple, kwargs: dict, cap: int, where: str) -> None:
-    """Refuse a node whose result would exceed `cap` elements, before it is made."""
-    tensors = [v for v in _flat(args + tuple(kwargs.values())) if isinstance(v, torch.Tensor)]
-    if step.target in ("getitem", "operator.getitem") and any(
-            isinstance(v, torch.Tensor) and v.dtype != torch.bool for v in _flat(args[1:])):
-        raise _refuse(where, "indexing takes integers, slices, None, ... or a boolean mask, not index tensors")
-    if step.target == "to" and not all(isinstance(v, torch.dtype) for v in args[1:] + tuple(kwargs.values())):
-        raise _refuse(where, "to() takes only a dtype (tensors stay on the server's device)")
-    if step.target.startswith("operator.") and step.target != "operator.getitem" and not all(
-            isinstance(v, (torch.Tensor, int, float)) for v in args):
-        raise _refuse(where, "operators take tensors and numbers (no sequence repetition or concatenation)")
-    if step.rule == "broadcast" and tensors:
-        try:
-            n = _numel(torch.broadcast_shapes(*(t.shape for t in tensors)))
-        except RuntimeError as e:
-            raise _refuse(where, f"failed: {e}") from None
-    elif step.rule == "size":
-        n = _sized(step.target, args, kwargs, where)
-    elif step.rule == "concat":
-        n = sum(int(t.numel()) for t in tensors)
-    elif step.rule in ("expand", "repeat"):
-        sizes = [s for s in _flat(args[1:] + tuple(kwargs.values()))]
-        if step.target != "expand_as" and any(not isinstance(s, int) or isinstance(s, bool) for s in sizes):
-            raise _refuse(where, "sizes are integers (never tensors: a size must not depend on values)")
-        if step.target == "expand_as":
-            n = int(tensors[-1].numel())
-        elif step.rule == "repeat":
-            n = _numel(abs(int(s)) for s in sizes) * int(tensors[0].numel())
-        else:  # -1 keeps the tensor's own size there (sizes align from the right)
-            ints, shape = [int(s) for s in sizes], list(tensors[0].shape)
-            lead = len(ints) - len(shape)
-            n = _numel(abs(shape[i - lead]) if s == -1 and i >= lead else abs(s) for i, s in enumerate(ints))
-    else:  # no larger than its tensors, or their broadcast
-        n = max((int(t.numel()) for t in tensors), default=0)
-        try:
-            n = max(n, _numel(torch.broadcast_shapes(*(t.shape for t in tensors))))
-        except RuntimeError:
-            pass
-    numbers = [v for v in args if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if step.target in ("operator.pow", "torch.pow") and len(numbers) == 2 and isinstance(numbers[1], int) \
-            and abs(numbers[1]) > 64:
-        raise _refuse(where, "integer powers of numbers take an exponent of at most 64")
-    if n > cap:
-        raise _refuse(where, f"would make a tensor of {n} elements, over the bound of {cap} (at least "
-                             f"{MIN_ELEMENTS}, else {ELEMENT_FACTOR} x the datum's largest input)")
-
-
-def _sized(target: str, args: tuple, kwargs: dict, where: str) -> int:
-    """Elements of zeros/ones/full/arange/tensor from its arguments."""
-    if target == "torch.tensor":
-        data = args[0] if args else kwargs.get("data")
-        flat = _flat((data,))
-        if not all(isinstance(v, (int, float, bool)) for v in flat):
-            raise _refuse(where, "torch.tensor takes numbers")
-        return len(flat)
-    if target == "torch.arange":
-        nums = [v for v in args if not isinstance(v, torch.dtype)] or [kwargs.get("end", 0)]
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in nums):
-            raise _refuse(where, "arange takes finite numbers")
-        start, end, step = (0, nums[0], 1) if len(nums) == 1 else (nums + [1])[:3]
-        if step == 0:
-            raise _refuse(where, "arange's step is not 0")
-        return max(0, math.ceil((end - start) / step))
-    sizes = args[:-1] if target == "torch.full" and "fill_value" not in kwargs else args
-    sizes = [s for s in _flat(sizes) if not isinstance(s, torch.dtype)]
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes):
-        raise _refuse(where, "sizes are non-negative integers")
-    return _numel(sizes)

@@ -54,6 +54,8 @@ def check_request(request: ForwardRequest, backward: bool, vocab_size: int, max_
                                f"request; datum 0 has trailing shape {list(shapes[0])}, datum {i} has "
                                f"{list(s)}", field="target_tokens", datum_index=i)
     rows = [spec.check_row(d, i, config) for i, d in enumerate(datums)] if spec.check_row else None
+    if spec.check_datums:
+        spec.check_datums(datums, config)
     return CheckedRequest(datums, spec, config, rows)
 
 
