@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -58,6 +59,75 @@ def test_serve_prints_its_url_and_requires_the_api_key(tiny_llama, tmp_path):
     assert re.search(rf"INFO whitney.service.scheduling.ends: optim_step {op['id']} of run {run.json()['id']} "
                      r"\(seq_id 0\) succeeded, [\d.]+ s after it was submitted", out), out
     assert "Whitney is stopping (SIGTERM)" in out and out.rstrip().endswith("Whitney stopped."), out
+
+
+# `whitney serve` with its text check held on the request thread for a marked body (as a request thread stays busy
+# in a slow route): an instrumented check, the rest of the server as it runs.
+HELD_SERVE = """
+import sys, threading
+from whitney.service.http import text
+real = text.body_error
+def held(body, content_type):
+    if body.startswith(b'{"hold"'):
+        print("a request thread is held", flush=True)
+        threading.Event().wait(3600)
+    return real(body, content_type)
+text.body_error = held
+from whitney.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_stops_the_server_while_requests_are_busy(tiny_llama, tmp_path):
+    """SIGTERM while a request thread is busy (held for an hour) and a long-poll waits on an operation that
+    cannot run: the server stops within seconds (it waited for both: the busy thread forever, the long-poll
+    for its 30 s). The bound below is a liveness bound, not a timing: the server is held far longer without the
+    fix."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", HELD_SERVE, "serve", "--model", tiny_llama, "--port", "0",
+                             "--data-dir", str(tmp_path / "data"), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen: list[str] = []
+
+    def line_with(pattern: str) -> re.Match:
+        while True:
+            line = proc.stdout.readline()
+            assert line, f"server exited early: {''.join(seen)}"
+            seen.append(line)
+            if match := re.search(pattern, line):
+                return match
+
+    def quietly(request) -> None:  # the server stops under these requests: their errors are expected
+        try:
+            request()
+        except httpx.HTTPError:
+            pass
+
+    try:
+        url = line_with(r"serving .* at (http://127\.0\.0\.1:\d+)").group(1)
+        session = httpx.post(f"{url}/v1/sessions", json={}).json()["id"]
+        run = httpx.post(f"{url}/v1/sessions/{session}/runs", json={"lora": {"rank": 2}}).json()["id"]
+        op = httpx.post(f"{url}/v1/runs/{run}/optim_step", json={"seq_id": 3}).json()["id"]  # waits for 0-2
+        long_poll = threading.Thread(target=quietly, daemon=True, args=(
+            lambda: httpx.get(f"{url}/v1/operations/{op}?wait=30", timeout=60),))
+        held = threading.Thread(target=quietly, daemon=True, args=(
+            lambda: httpx.post(f"{url}/v1/sessions", content=b'{"hold": "' + b"x" * (256 << 10) + b'"}',
+                               headers={"content-type": "application/json"}, timeout=60),))
+        long_poll.start()
+        held.start()
+        line_with("a request thread is held")
+        assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+            raise AssertionError(f"still running 20 s after SIGTERM: {''.join(seen) + out}") from None
+    out = "".join(seen) + out
+    assert proc.returncode == 0, out
+    assert "Whitney is stopping (SIGTERM)" in out and "Whitney stopped" in out, out
 
 
 def test_the_help_loads_no_torch_and_every_option_says_what_it_does():

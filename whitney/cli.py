@@ -13,6 +13,10 @@ from pathlib import Path
 
 from whitney.protocol.config import DEFAULT_MODEL
 
+# After SIGTERM or SIGINT, `whitney serve` waits at most this long for the engine call and the requests in
+# progress, then exits anyway (what they did is recovered at the next start, as after a crash).
+STOP_SECONDS = 10.0
+
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Each option's help followed by its default, where it has one its help does not already state."""
@@ -132,14 +136,27 @@ def serve_main(args) -> int:
     print(f"The web console is at {server.url}/console/"
           + (" (sign in with an API key)" if app.state.whitney.keys.required() else ""), flush=True)
 
-    def stop(signum: int, _frame) -> None:
-        print(f"Whitney is stopping ({signal.Signals(signum).name}) once the engine call in progress ends; "
-              "operations still queued then fail with server_restarted, their runs interrupted (resume from a "
-              "checkpoint)", flush=True)
-        scheduler.stop()
+    def stop(signum: int) -> None:
+        if stopping.is_set():  # a second signal: stop now
+            print(f"Whitney stopped at once ({signal.Signals(signum).name} again).", flush=True)
+            os._exit(0)
+        stopping.set()
+        print(f"Whitney is stopping ({signal.Signals(signum).name}) once the engine call in progress ends (at most "
+              f"{STOP_SECONDS:g} s); operations still queued then fail with server_restarted, their runs interrupted "
+              "(resume from a checkpoint)", flush=True)
+        deadline = threading.Timer(STOP_SECONDS, stop_now)
+        deadline.daemon = True  # a stop that ends in time does not wait for it
+        deadline.start()
+        server.server.should_exit = True  # no new requests; those in flight get a few seconds (serve_in_thread)
+        threading.Thread(target=scheduler.stop, daemon=True).start()  # it joins the worker threads
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
+    def stop_now() -> None:
+        print(f"Whitney stopped without waiting longer for work still running {STOP_SECONDS:g} s after the signal "
+              "(its operations fail with server_restarted at the next start).", flush=True)
+        os._exit(0)
+
+    stopping = threading.Event()
+    on_signals((signal.SIGINT, signal.SIGTERM), stop)
     # Should the HTTP thread ever end on its own, stop the worker too rather than serve nothing.
     threading.Thread(target=lambda: (server.thread.join(), scheduler.stop()), daemon=True).start()
     try:
@@ -148,6 +165,28 @@ def serve_main(args) -> int:
         server.stop()
     print("Whitney stopped.", flush=True)
     return 0
+
+
+def on_signals(signals, act) -> None:
+    """Call act(signum) on a thread of its own as soon as one of `signals` arrives, whatever the main thread is
+    doing (a Python signal handler runs on the main thread only, between two of its bytecodes: not while it is
+    inside a long engine call). The signal module writes each signal's number to a pipe this thread reads."""
+    import signal
+    import threading
+
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    for sig in signals:
+        signal.signal(sig, lambda *_: None)  # handled: the thread below acts
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            for signum in os.read(read, 64):
+                if signum in signals:
+                    act(signum)
+
+    threading.Thread(target=watch, name="whitney-signals", daemon=True).start()
 
 
 def port_problem(host: str, port: int) -> str | None:

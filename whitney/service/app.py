@@ -207,6 +207,9 @@ def _allow(methods: set[str]) -> str:
     return ", ".join(sorted(methods | {"OPTIONS"}))
 
 
+STOP_GRACE = 5  # seconds a stopping server waits for the requests in flight
+
+
 @dataclass
 class ThreadedServer:
     """A uvicorn server running an app in a background thread (whitney serve, the demo, tests)."""
@@ -229,11 +232,12 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeou
     """
     import uvicorn
 
+    # Stopping, requests in flight get STOP_GRACE seconds to end (uvicorn's default waits for them forever).
     if log_level is None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=STOP_GRACE)
     else:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None,
-                                access_log=log_level in ("debug", "info"))
+                                access_log=log_level in ("debug", "info"), timeout_graceful_shutdown=STOP_GRACE)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
