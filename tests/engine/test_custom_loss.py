@@ -447,6 +447,7 @@ class RealCalls:
 
 
 def spy(monkeypatch, target: str) -> RealCalls:
+    custom_graph.COMPILED.clear()  # graphs compiled from now on call the spy
     fn, rule = custom_graph.FUNCTIONS[target]
     wrapped = RealCalls(fn)
     monkeypatch.setitem(custom_graph.FUNCTIONS, target, (wrapped, rule))
@@ -499,7 +500,7 @@ def test_work_counts_what_every_node_reads_and_makes_expanded_views_in_full():
     # getitem reads 1, makes 1; expand reads 1, makes a 65536-element view; logsumexp reads all 65536 of it
     # and makes 1; the loss (logprobs.sum()) reads 1, makes 1.
     assert plan.work == (W + 2) + (W + 1 + 65536) + (W + 65536 + 1) + (W + 2)
-    assert plan.made == (1, 65536, 1, 1) and not plan.masked
+    assert list(plan.made) == [1, 65536, 1, 1] and not plan.masked
 
 
 def test_the_issues_amplifier_is_refused_before_any_of_it_runs(engine, tiny_llama, monkeypatch):
@@ -522,14 +523,16 @@ def test_the_work_budget_adds_up_over_a_requests_datums(engine, tiny_llama):
     run = new_run_id()
     engine.create_run(run, tiny_llama, LORA)
     spec = graph(*[fn_node(f"e{i}", "torch.exp", R("logprobs")) for i in range(20)])
-    cost = custom_run.plan_for(compile_loss(spec), (((1,), torch.float32), ((1,), torch.float32))).cost
+    program = compile_loss(spec)
+    cost = custom_run.plan_for(program, (((1,), torch.float32), ((1,), torch.float32))).cost
     assert cost > custom_run.WORK_PER_LOGPROB  # a one-token datum costs more than it brings
-    fits = custom_run.WORK_BASE // (cost - custom_run.WORK_PER_LOGPROB)  # n x cost <= budget(n)
+    planning = custom_run.PLAN_WORK * len(program.steps)  # once: every datum has the same shape
+    fits = (custom_run.WORK_BASE - planning) // (cost - custom_run.WORK_PER_LOGPROB)  # <= budget(n)
     assert engine.validate(ForwardRequest(run, one_token_data(fits), "custom", spec), backward=True) == fits
     over = fits + 1
     with pytest.raises(InvalidInput) as e:
         engine.validate(ForwardRequest(run, one_token_data(over), "custom", spec), backward=True)
-    assert e.value.datum_index == custom_run.budget(over) // cost  # the first datum past the budget
+    assert e.value.datum_index == (custom_run.budget(over) - planning) // cost  # the first datum past the budget
     assert f"work budget of {custom_run.budget(over)}" in e.value.message
 
 
@@ -547,3 +550,45 @@ def test_a_masked_graph_is_planned_at_its_worst_and_runs_on_the_real_shapes():
     assert float(out.loss) == pytest.approx(4.0 + 2) and out.metrics["custom/kept:sum"] == 2
     (grad,) = torch.autograd.grad(out.loss, lp)
     assert grad.tolist() == [-1.0, 0.0, -1.0, 0.0]
+
+
+def _shapes_cases():
+    g = torch.Generator().manual_seed(0)
+    x31, x4, x23, x234 = (torch.randn(*s, generator=g) for s in ((3, 1), (4,), (2, 3), (2, 3, 4)))
+    b31, b4, i3 = torch.rand(3, 1, generator=g) > 0.5, torch.rand(4, generator=g) > 0.5, torch.arange(1, 4)
+    x43 = torch.randn(4, 3, generator=g)
+    return [
+        ("torch.exp", (x31,), {}), ("operator.add", (x31, x4), {}), ("torch.where", (b31, x4, 0.0), {}),
+        ("torch.clamp", (x31,), {"min": x4}), ("operator.truediv", (i3, i3), {}), ("operator.lt", (x31, 0), {}),
+        ("masked_fill", (x31, b4, 0.0), {}), ("torch.lerp", (x31, x4, 0.5), {}), ("cumsum", (x23, 1), {}),
+        ("torch.cumsum", (b4, 0), {}), ("torch.softmax", (x23, -1), {}), ("to", (x23, torch.float64), {}),
+        ("long", (x23,), {}), ("torch.nan_to_num", (i3,), {}), ("torch.logsumexp", (x23, 1), {"keepdim": True}),
+        ("mean", (x234, (0, 2)), {}), ("mean", (x23,), {}), ("norm", (x23, 2, 1), {}), ("norm", (x23,), {}),
+        ("std", (x23, 1), {"keepdim": True}), ("std", (x23, True), {}), ("var", (x23,), {"dim": 0, "correction": 0}),
+        ("torch.cat", ([x23, x43[:2]],), {}), ("torch.cat", ([x23, x31[:2]],), {"dim": 1}),
+        ("torch.stack", ([x23, x23], -1), {}), ("operator.getitem", (x43, [0, 3, 3, -1]), {}),
+        ("operator.getitem", (x234, (Ellipsis, [1, 0])), {}), ("operator.getitem", (x43, (None, b4)), {}),
+        ("torch.sum", (b4, 0), {}), ("torch.nn.functional.softplus", (x23,), {}), ("operator.pow", (x23, 2), {}),
+        ("torch.pow", (2, x23), {}), ("torch.xlogy", (x31, x4), {}), ("operator.and_", (b31, b4), {}),
+        ("operator.invert", (b4,), {}), ("max", (x23, 1), {}), ("torch.amax", (x234, (0, 1)), {}),
+        ("expand", (x31, 2, 3, -1), {}), ("repeat", (x23, 2, 1, 3), {}), ("reshape", (x234, -1, 4), {}),
+        ("torch.arange", (0, 1), {"step": 0.3}), ("torch.full", ((2, 3), 1), {}),
+    ]
+
+
+def test_the_plan_makes_the_shapes_and_dtypes_the_real_ops_make():
+    """The plan's shape rules (broadcast, reductions sized like another, cat, stack, index lists) and its meta
+    tensors agree with torch on real tensors; a boolean mask is planned at its worst (every element kept)."""
+    for target, args, kwargs in _shapes_cases():
+        fn, rule = (custom_graph.FUNCTIONS[target] if target in custom_graph.FUNCTIONS
+                    else (custom_graph._method(target), custom_graph.METHODS[target]))
+        step = custom_graph.Step(0, "n", target, fn, rule, args, kwargs)
+        real = fn(*args, **kwargs)
+        meta_args = custom_run._meta((args, {**kwargs, **({"device": "cpu"} if rule == "size" else {})}))
+        planned, masked = custom_run.plan_node(step, *meta_args, "here")
+        for p, r in zip(custom_graph.flat((planned,)), custom_graph.flat((real,))):
+            assert isinstance(p, torch.Tensor) and p.is_meta, target
+            if masked:  # the mask kept 2 of its 4 here; the plan keeps all 4
+                assert p.shape[1] == 4 and r.shape[1] == int(args[1][1].sum()), target
+            else:
+                assert (p.shape, p.dtype) == (r.shape, r.dtype), (target, p.shape, r.shape, p.dtype, r.dtype)

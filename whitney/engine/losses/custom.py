@@ -19,10 +19,13 @@ Shapes: N positions of a datum, K candidates (rank 2), B datums.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import operator
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -135,6 +138,13 @@ def _where(i: int, node: dict) -> str:
     return f"node {i} ({repr(node.get('name'))[:80]}, {repr(node.get('op'))[1:-1][:20]} {repr(node.get('target'))[:140]})"
 
 
+# Programs compiled lately, by the digest of their definition: a stored loss sent again (every training step,
+# and the engine's check after the service's) is the same Program, with the plans it has made (custom_run.py).
+COMPILED: OrderedDict[str, Program] = OrderedDict()
+MAX_COMPILED = 16
+_compiled_lock = threading.Lock()
+
+
 def compile_loss(definition: Any) -> Program:
     """Check a custom loss definition against the allow-lists; any breach is InvalidInput naming the node."""
     if not isinstance(definition, dict) or set(definition) != {"name", "inputs", "graph"}:
@@ -142,12 +152,26 @@ def compile_loss(definition: Any) -> Program:
                            f"{sorted(definition) if isinstance(definition, dict) else type(definition).__name__}",
                            field="loss_config")
     try:
-        size = len(json.dumps(definition))
+        text = json.dumps(definition, sort_keys=True)
     except (TypeError, ValueError):
         raise InvalidInput("a custom loss must be plain JSON data", field="loss_config") from None
-    if size > MAX_DEFINITION_BYTES:
-        raise InvalidInput(f"a custom loss definition is at most {MAX_DEFINITION_BYTES} bytes of JSON, got {size}",
-                           field="loss_config")
+    if len(text) > MAX_DEFINITION_BYTES:
+        raise InvalidInput(f"a custom loss definition is at most {MAX_DEFINITION_BYTES} bytes of JSON, got "
+                           f"{len(text)}", field="loss_config")
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    with _compiled_lock:
+        if digest in COMPILED:
+            COMPILED.move_to_end(digest)
+            return COMPILED[digest]
+    program = _compile(definition)
+    with _compiled_lock:
+        COMPILED[digest] = program
+        while len(COMPILED) > MAX_COMPILED:
+            COMPILED.popitem(last=False)
+    return program
+
+
+def _compile(definition: dict) -> Program:
     name = definition["name"]
     if not isinstance(name, str) or not 1 <= len(name) <= 128 or not name.isprintable():
         raise InvalidInput("custom loss name must be 1 to 128 printable characters", field="name")

@@ -17,8 +17,9 @@ The plan also counts the graph's work, in elements touched (the budget model, do
               tensor's metadata (shape, size, ndim, numel, dtype) is NODE_WORK
   a datum     the sum over its nodes (a graph with a boolean mask pays NODE_WORK again per node: its real run
               is checked node by node)
-  a request   the sum over its datums, at most WORK_BASE + WORK_PER_LOGPROB x its log-probs (sum over datums
-              of N, or N x K): `check_budget`, which stops at the first datum over it
+  a request   the sum over its datums, and PLAN_WORK per node for each datum shape it brings (planning), at
+              most WORK_BASE + WORK_PER_LOGPROB x its log-probs (sum over datums of N, or N x K): `check_budget`,
+              which stops at the first datum over it
 Shapes: N positions of a datum, K candidates (rank 2).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +41,17 @@ from whitney.errors import InvalidInput
 MIN_ELEMENTS = 1 << 16
 ELEMENT_FACTOR = 4
 TOTAL_FACTOR = 64
-# Work: one unit is one element read or written. NODE_WORK is a node's fixed cost (dispatching it and
-# planning it take a few microseconds, about what a reduction over an expanded view spends on 1024 elements).
-# A request may spend WORK_BASE (a small datum with a full 256-node graph) plus WORK_PER_LOGPROB per log-prob
-# it computes: about 16 nodes over every log-prob, so a graph costs a bounded multiple of the tokens the
-# request is charged for, and at most tens of microseconds of CPU per token (a few times less on an accelerator).
+# Work: one unit is one element read or written (from well under a nanosecond, contiguous and elementwise, to
+# about 15 ns, a reduction over an expanded view, on a CPU). NODE_WORK is a node's fixed cost on each datum
+# (dispatch, a few microseconds); PLAN_WORK a node's planning on each datum shape a request brings (meta
+# tensors: tens of microseconds). A request may spend WORK_BASE (a small request with a full 256-node graph)
+# plus WORK_PER_LOGPROB per log-prob it computes (about 16 passes over each), so a graph costs at most a few
+# tens of microseconds of CPU per token the request is charged for.
 NODE_WORK = 1 << 10
-WORK_BASE = 1 << 20
+PLAN_WORK = 1 << 12
+WORK_BASE = 1 << 21
 WORK_PER_LOGPROB = 1 << 12
+MAX_PLANS = 1024  # per program (more datum shapes than a request can bring); past it, plans are forgotten
 
 # Ops whose result has the broadcast shape of their tensor arguments (one tensor: its own shape); their dtype,
 # and any error from a bad dim or dtype, come from the op run on one-element stand-ins (faster than meta).
@@ -93,7 +98,7 @@ class Plan:
     """One datum shape's plan: what each step makes (elements, per step), its work, whether a mask makes it
     depend on values (then each node of the real run is planned again on the real shapes)."""
 
-    made: tuple[int, ...]
+    made: array  # int64 per step
     work: int  # elements touched, NODE_WORK per node included
     cap: int  # the size bound of one tensor for this datum
     masked: bool
@@ -117,16 +122,20 @@ def plan_for(program: Program, inputs: tuple[tuple[tuple[int, ...], torch.dtype]
     """The plan of `program` over one datum's inputs ((shape, dtype) each, in `program.inputs` order), made
     once per shape (kept on the program). A node over a bound, or failing on these shapes, is InvalidInput
     naming it; so is a loss that is not a scalar float or a metric that is not one number."""
-    if inputs not in program.plans:
-        program.plans[inputs] = _plan(program, inputs)
-    return program.plans[inputs]
+    plan = program.plans.get(inputs)
+    if plan is None:
+        plan = _plan(program, inputs)
+        if len(program.plans) >= MAX_PLANS:
+            program.plans.clear()
+        program.plans[inputs] = plan
+    return plan
 
 
 def _plan(program: Program, inputs: tuple) -> Plan:
     env: dict[str, Any] = {name: torch.empty(shape, dtype=dtype, device="meta")
                            for (name, _), (shape, dtype) in zip(program.inputs, inputs)}
     cap = max(MIN_ELEMENTS, ELEMENT_FACTOR * max(math.prod(shape) for shape, _ in inputs))
-    made, work, masked = [], 0, False
+    made, work, total, masked = [], 0, 0, False
     for step in program.steps:
         where = f"node {step.index} ({step.name!r}, {step.target})"
         args, kwargs = resolve(step.args, env), {k: resolve(v, env) for k, v in step.kwargs.items()}
@@ -134,13 +143,14 @@ def _plan(program: Program, inputs: tuple) -> Plan:
         masked = masked or dependent
         n = _made(out, cap, where)
         made.append(n)
-        if sum(made) > TOTAL_FACTOR * cap:
+        total += n
+        if total > TOTAL_FACTOR * cap:
             raise refuse(where, f"the graph's tensors would exceed {TOTAL_FACTOR * cap} elements in all "
                                 f"({TOTAL_FACTOR} x the bound of one tensor)")
         work += node_work(step, args, kwargs, n)
         env[step.name] = out
     _check_output(program, env)
-    return Plan(tuple(made), work, cap, masked)
+    return Plan(array("q", made), work, cap, masked)
 
 
 def node_work(step: Step, args: tuple, kwargs: dict, made: int) -> int:
@@ -202,14 +212,39 @@ def plan_node(step: Step, args: tuple, kwargs: dict, where: str) -> tuple[Any, b
         if step.target in _SHAPED_LIKE:
             dtype = _stand_in_dtype(step.fn, args, kwargs)  # and its own errors (a bad dim, an integer mean)
             return _SHAPED_LIKE[step.target](*args, **kwargs).to(dtype), False
+        if step.target in ("torch.cat", "torch.stack"):
+            return _concat(step, args, kwargs), False
         if step.target in ("operator.getitem", "getitem") and isinstance(args[0], torch.Tensor):
             index, dependent = _worst_index(args[0], args[1], where)
+            if isinstance(index, list):  # one flat index list: rows of dim 0 (as meta's index_select, fast)
+                return torch.index_select(args[0], 0, torch.empty(len(index), dtype=torch.long, device="meta")), False
             return operator.getitem(args[0], index), dependent
         return step.fn(*args, **kwargs), False
     except InvalidInput:
         raise
     except _FAILURES as e:
         raise refuse(where, f"failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
+
+
+def _concat(step: Step, args: tuple, kwargs: dict) -> torch.Tensor:
+    """torch.cat or torch.stack of tensors that agree in shape (cat: but for `dim`), as a meta tensor."""
+    tensors = list(args[0] if args else kwargs.get("tensors", ()))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    dtype = _stand_in_dtype(step.fn, args, kwargs)  # and a bad dim's error
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"{step.target} takes a non-empty list of tensors")
+    first = list(tensors[0].shape)
+    if step.target == "torch.stack":
+        if any(list(t.shape) != first for t in tensors):
+            raise RuntimeError("stack expects each tensor to be equal size")
+        d = dim % (len(first) + 1)
+        return torch.empty(first[:d] + [len(tensors)] + first[d:], dtype=dtype, device="meta")
+    d = dim % max(len(first), 1)
+    if any(t.dim() != len(first) or [s for i, s in enumerate(t.shape) if i != d] != first[:d] + first[d + 1:]
+           for t in tensors):
+        raise RuntimeError(f"Sizes of tensors must match except in dimension {dim}")
+    first[d] = sum(int(t.shape[d]) for t in tensors)
+    return torch.empty(first, dtype=dtype, device="meta")
 
 
 def _stand_in_dtype(fn, args: tuple, kwargs: dict) -> torch.dtype:
@@ -287,11 +322,15 @@ def admit(step: Step, args: tuple, kwargs: dict, where: str) -> None:
 # ---- a request's budget, and one datum's run -------------------------------------------------------------
 
 def check_budget(program: Program, datums: list[tuple], logprobs: int) -> None:
-    """Plan every datum (each its inputs' (shape, dtype)) and add up their cost, refusing at the first datum
-    that takes the request over `budget(logprobs)`: InvalidInput naming the datum, the work and the budget.
-    A datum whose plan fails is InvalidInput naming the datum and the node."""
-    limit, spent = budget(logprobs), 0
+    """Plan every datum (each its inputs' (shape, dtype)) and add up their cost (and PLAN_WORK per node for each
+    shape the request brings), refusing at the first datum that takes the request over `budget(logprobs)`:
+    InvalidInput naming the datum, the work and the budget. A datum whose plan fails is InvalidInput naming the
+    datum and the node."""
+    limit, spent, shapes = budget(logprobs), 0, set()
     for b, inputs in enumerate(datums):
+        if inputs not in shapes:
+            shapes.add(inputs)
+            spent += PLAN_WORK * len(program.steps)
         try:
             spent += plan_for(program, inputs).cost
         except InvalidInput as e:
@@ -300,8 +339,8 @@ def check_budget(program: Program, datums: list[tuple], logprobs: int) -> None:
             raise InvalidInput(
                 f"datum {b}: custom loss {program.name!r} would touch {spent} elements by this datum, over the "
                 f"request's work budget of {limit} ({WORK_BASE} + {WORK_PER_LOGPROB} x its {logprobs} log-probs; "
-                f"each node costs {NODE_WORK} + the elements it reads and makes, expanded views counted in full)",
-                field="loss_config.graph", datum_index=b)
+                f"each node costs {NODE_WORK} per datum and {PLAN_WORK} per datum shape, + the elements it reads "
+                "and makes, expanded views counted in full)", field="loss_config.graph", datum_index=b)
 
 
 def run_program(program: Program, values: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
