@@ -550,6 +550,15 @@ def test_a_masked_graph_is_planned_at_its_worst_and_runs_on_the_real_shapes():
     assert float(out.loss) == pytest.approx(4.0 + 2) and out.metrics["custom/kept:sum"] == 2
     (grad,) = torch.autograd.grad(out.loss, lp)
     assert grad.tolist() == [-1.0, 0.0, -1.0, 0.0]
+    # A size that shrinks as the mask grows would make more on the real values than planned: refused there.
+    grows = graph(fn_node("mask", "operator.gt", R("weights"), 0), fn_node("kept", "operator.getitem", R("logprobs"),
+                                                                            R("mask")),
+                  method("count", "size", R("kept"), 0), fn_node("rest", "operator.sub", 64, R("count")),
+                  fn_node("bad", "torch.zeros", R("rest")))
+    _, config = loss_spec("custom").configure(grows)
+    with pytest.raises(InvalidInput) as e:
+        custom(lp.detach(), {"weights": weights, "datum_index": torch.zeros(4, dtype=torch.long)}, config)
+    assert "'bad'" in e.value.message and "planned 60" in e.value.message and e.value.datum_index == 0
 
 
 def _shapes_cases():
