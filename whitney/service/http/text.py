@@ -143,6 +143,7 @@ def lone_surrogate_at(body: bytes, chunk: int = CHUNK_BYTES) -> int | None:
     """The offset of the first lone surrogate escape (\\uD800-\\uDFFF not part of a high-low pair) in JSON
     text, else None; None too where the text stops being JSON first (an invalid escape). One scan, a chunk at a
     time: a token cut by a chunk's end is matched again whole from the next chunk."""
+    assert chunk > TOKEN_BYTES, "a chunk must hold a whole token"
     start = 0
     while True:
         end = min(start + chunk, len(body))
