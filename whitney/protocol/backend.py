@@ -46,7 +46,7 @@ else is a bug of the backend.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
@@ -148,7 +148,7 @@ class BackendSpec:
     worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-class PackageKind(str, Enum):
+class PackageKind(StrEnum):
     """What a save writes (a model package's kind in the store, and `Backend.save`'s `kind`)."""
 
     STATE = "state"  # the adapter, and the optimizer state when asked: load_state and resume read it
