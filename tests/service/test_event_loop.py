@@ -74,7 +74,8 @@ def test_a_route_without_a_key_reads_no_body_past_a_small_cap(make_server, monke
         assert keyed.post("/v1/no-such-route", content=big, headers=JSON).status_code == 404
         assert keyed.request("GET", "/v1/sessions", content=big, headers=JSON).status_code == 200
         assert keyed.request("PUT", "/v1/sessions", content=big, headers=JSON).status_code == 405
-    assert checked == [], "a body no route takes was read and checked"
+    # (Only this test's bodies: a server of an earlier test may still be checking small bodies of its own.)
+    assert not {len(big), len(small)} & set(checked), "a body no route takes was read and checked"
 
 
 def test_only_post_put_and_patch_routes_take_a_body(server):
@@ -102,12 +103,15 @@ def test_only_post_put_and_patch_routes_take_a_body(server):
 def test_the_text_check_holds_memory_linear_in_the_body():
     """The old walk kept a path list per item: about 100 bytes per body byte (28.6 MiB grew memory 3.3 GB).
     Now the body is parsed (only because it holds a lone surrogate, to name the field) and walked once, keeping
-    one path: the peak is a few times the body, and twice the body holds at most about twice as much."""
+    one path: the peak is a few times the body, and twice the body holds at most about twice as much (a quadratic
+    cost would hold four times; the allocator's growth steps and what earlier tests left allocated blur the
+    factor, so the bound is 3)."""
     small, large = hostile(256 << 10), hostile(512 << 10)
     assert text.body_error(large, "application/json")[0] == f"user_metadata.x.{large.count(b'0,')}"
     peak_small, peak_large = (peak_bytes(text.body_error, body, "application/json") for body in (small, large))
     assert peak_small < 8 * len(small), f"{peak_small} bytes held to check a body of {len(small)}"
-    assert peak_large < 2.2 * peak_small, (peak_small, peak_large)
+    assert peak_large < 8 * len(large), f"{peak_large} bytes held to check a body of {len(large)}"
+    assert peak_large < 3 * peak_small, (peak_small, peak_large)
 
 
 def test_a_valid_body_of_surrogate_pairs_is_scanned_not_parsed(monkeypatch):
