@@ -177,6 +177,19 @@ def tiny_model() -> str:
     return str(out)
 
 
+def tiny_vision_model() -> str:
+    """A tiny random Qwen3-VL with its image processor (tests/models.py, the image tests' model), made once and
+    cached: a model that takes images, for the benchmarks that send them."""
+    from pathlib import Path
+
+    from tests.models import make_tiny_vision_model
+
+    out = Path(os.environ.get("WHITNEY_CACHE_DIR", "~/.cache/whitney")).expanduser() / "bench-tiny-qwen3-vl"
+    if not (out / "config.json").exists():
+        make_tiny_vision_model(out, "qwen3_vl")
+    return str(out)
+
+
 class Clients:
     """Many clients in threads, each looping `step(index, client)` until a deadline; op latencies recorded.
 

@@ -6,8 +6,8 @@ import json
 import math
 from pathlib import Path
 
-ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster", "peers",
-         "general", "busy", "tenants", "capacity"]
+ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "hostile", "cluster",
+         "peers", "general", "busy", "tenants", "capacity"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -37,6 +37,8 @@ def fmt(x, unit: str | None = None) -> str:
         return f"{x:.1f} ms"
     if unit == "exponent":
         return f"{x:.2f}"
+    if unit == "MB":
+        return f"{x:.0f} MB"
     if unit in ("errors", "ops", "ops/s"):
         return f"{x:g} {unit}" if unit != "ops/s" else f"{x:.1f} ops/s"
     return f"{x:.2f}x"
@@ -98,6 +100,20 @@ def absolute(name: str, r: dict) -> str:
         return (f"{r['operations']} operations, {r['operations_per_s']:.1f}/s, {r['n_errors']} errors; RSS "
                 f"{rss[0][1]:.0f} -> {rss[-1][1]:.0f} MiB; " + ", ".join(
                     f"{k} p50 {v['p50_s']:.2f} / p99 {v['p99_s']:.2f} s" for k, v in r["latency"].items()))
+    if name == "hostile":
+        parts = []
+        for phase in ("alone", "hostile"):
+            fb, seen, h = (r[phase].get("forward_backward"), r[phase].get("forward_backward_client"),
+                           r["healthz"][phase])
+            parts.append(f"{phase}: well-behaved forward_backward "
+                         + (f"p50 {fb['p50_s']:.2f} s / p99 {fb['p99_s']:.2f} s (n={fb['n']}; as the clients see it "
+                            f"p99 {seen['p99_s']:.2f} s)" if fb and seen else "none done")
+                         + f", /healthz p99 {fmt_s(h['p99_s'])} (max {fmt_s(h['max_s'])})")
+        parts.append(f"server RSS growth in the hostile phase {fmt_s(r['rss_growth_mb'], 'MB')}")
+        parts.append("hostile answers: " + ", ".join(
+            f"{a} {' '.join(f'{n}x{code}' for code, n in sorted(x['answers'].items()))} (max {x['max_s']:.2f} s)"
+            for a, x in r["hostile_answers"].items()))
+        return "; ".join(parts)
     if name == "cluster":
         load = {k: r[k]["under_load"] for k in ("inprocess", "ray_replica")}
         return (f"optim_step p50 in-process {r['inprocess']['trivial_p50_ms']:.1f} ms, Ray "
@@ -342,6 +358,15 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "- **soak**: 32 clients on the tiny model for 3 minutes: forward_backward + optim_step, every 4th step a "
         "sampler version and an 8-token sample. Targets: zero errors; server RSS growth after the first third "
         "<= 5%.",
+        "- **hostile** (issue 31): `whitney serve` on the tiny model and a tiny Qwen3-VL, two keys; the fairness "
+        "workload (31 clients, forward_backward 4 x 64 + optim_step) alone, then beside one hostile tenant sending, "
+        "one thread per attack, back to back: a custom loss over its work budget (250 x logsumexp of a 65536-wide "
+        "expand, 12 one-token datums) and the same paid for within it ([511, 10] targets), progressive JPEGs of "
+        "2,010 scans (text and vision model) and of 64 scans at 4096 x 4096 (vision), expected_tokens=10^9, a "
+        "Tinker protobuf forward_backward with sparse [10^6, 256] weights, a Tinker asample with sparse "
+        "target_prompt_logprobs [10^5, 100], 3 MiB of lone-surrogate JSON to /healthz without a key, 300-level "
+        "user_metadata. Targets: well-behaved p99 (created_at -> finished_at) with / without <= 3; zero 5xx over "
+        "all clients; server RSS growth (VmRSS) during the hostile phase < 300 MB.",
         "- **cluster**: `whitney serve` in-process and `--backend ray` (local Ray, the trainer an actor with both "
         "CPUs), both up, their calls alternated one at a time: optim_step p50 (target: Ray at most 5 ms more) "
         "and SFT 8 x 128 tokens/s (target Ray >= 0.95x); then, one after the other, sampling 16 tokens while "

@@ -5,8 +5,9 @@
     python -m bench --only sampling     # one benchmark (repeatable or comma-separated); the report is
                                         # re-rendered from every result file present
 
-Benchmarks: overhead, sharing, memory, sampling, latency, scaling, fairness, soak, cluster, general, busy (see each
-module's docstring), and peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official SDK; needs SkyRL set up).
+Benchmarks: overhead, sharing, memory, sampling, latency, scaling, fairness, soak, hostile, cluster, general, busy
+(see each module's docstring), and peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official
+SDK; needs SkyRL set up).
 Issue 15's tenants and capacity (`--only tenants,capacity`, about 40 minutes) compare this tree with an earlier
 commit served side by side (`--baseline REF`, default the main before issue 15; bench/baseline.py).
 """
@@ -29,8 +30,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "cluster",
-              "general", "busy"]
+BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "hostile",
+              "cluster", "general", "busy"]
 OPTIONAL = ["peers",  # needs SkyRL installed (../shared/peers/skyrl/setup.sh): `make bench-peers`
             "tenants", "capacity"]  # against a baseline commit (bench/baseline.py); long: `--only tenants,capacity`
 
