@@ -24,13 +24,14 @@ Two phases of equal length, in one run:
     asample_sparse    a Tinker asample of a 10^5-token prompt with empty sparse target_prompt_logprobs
                       [10^5 - 1, 100] (JSON): refused from the prompt's length, before expanding;
     surrogate         a JSON body ["\\ud800", 0, 0, ...] of 3 MiB to /healthz, without a key;
-    deep_metadata     a session whose user_metadata nests 300 levels (600 bytes): refused at the edge; and, by the
+    deep_metadata     a session whose user_metadata nests 300 levels (600 bytes): refused at the edge; and, by a
                       well-behaved key, GET /v1/checkpoints?public=true, which must keep working.
 Figures: the well-behaved clients' p99 forward_backward latency in each phase, from submission to result as the
 server stamps them (created_at -> finished_at), and their ratio hostile / alone (target at most 3); every 5xx
 answer over all clients, well-behaved (each response they get, retried ones included), hostile and the /healthz
-probe (target 0); the server's RSS growth during the hostile phase (VmRSS every 0.5 s: its highest in the phase
-minus its value as the phase began; target under 300 MB). Reported besides: the hostile tenant's answers by
+probe (target 0), and the hostile tenant's accepted requests whose operation failed as `internal` (target 0); the
+server's RSS growth during the hostile phase (VmRSS every 0.5 s: its highest in the phase minus its value as the
+phase began; target under 300 MB). Reported besides: the hostile tenant's answers by
 attack and status code (with their latency and the first message of each), the well-behaved clients' latency as
 they see it (submit -> result: a stalled event loop delays requests before the server stamps them), and /healthz
 latency probed every 0.5 s in each phase. A 5xx, a slow refusal or a stall is a finding, reported, never hidden.
@@ -175,6 +176,10 @@ class Tally:
             self.seconds.setdefault(attack, []).append(seconds)
             self.messages.setdefault(f"{attack} {code}", message[:300])
 
+    def internal(self) -> int:
+        """Accepted requests whose operation failed as the server's fault (code `internal`): an operation's 5xx."""
+        return sum(n for counts in self.codes.values() for code, n in counts.items() if code.endswith(":internal"))
+
     def fivexx(self) -> int:
         return sum(n for counts in self.codes.values() for code, n in counts.items()
                    if code.isdigit() and int(code) >= 500)
@@ -223,20 +228,31 @@ def hostile_attacks(url: str, models: dict[str, str], quick: bool, tally: Tally)
         tally.add(attack, r.status_code, time.perf_counter() - t, "" if r.status_code < 300 else _message(r))
         return r
 
+    def follow(attack: str, r) -> None:
+        """Wait for the operation an accepted request made (until the phase's end) and record how it ended, with
+        its own latency (created_at -> finished_at): an accepted attack that fails as `internal` is a finding."""
+        op = OperationFuture(client, r.json())
+        op = op.wait(timeout=max(1.0, deadline[0] - time.monotonic()))
+        status = op["status"] if op["status"] in ("succeeded", "failed") else "unfinished"
+        code = (op.get("error") or {}).get("code", "")
+        tally.add(f"{attack} operation", f"{status}{':' + code if code else ''}",
+                  (op.get("finished_at") or time.time()) - op["created_at"], str(op.get("error") or ""))
+
     def training(attack: str, run: dict, body: dict, wait: bool = False) -> None:
         """A native forward_backward on the tenant's run (the seq_id advances only when one is taken); with `wait`,
-        its operation's end is recorded too (the operation's own latency, created_at -> finished_at)."""
+        its operation's end is recorded too."""
         r = send(attack, "POST", f"/v1/runs/{run['id']}/forward_backward", json={"seq_id": run["seq"], **body})
         if r is None or r.status_code >= 300:
             return
         run["seq"] += 1
         if wait:
-            op = OperationFuture(client, r.json())
-            op = op.wait(timeout=max(1.0, deadline[0] - time.monotonic()))
-            status = op["status"] if op["status"] in ("succeeded", "failed") else "unfinished"
-            code = (op.get("error") or {}).get("code", "")
-            tally.add(f"{attack} operation", f"{status}{':' + code if code else ''}",
-                      (op.get("finished_at") or time.time()) - op["created_at"], str(op.get("error") or ""))
+            follow(attack, r)
+
+    def sample(attack: str, body: dict) -> None:
+        """A native sample request; an accepted one is followed to its end."""
+        r = send(attack, "POST", "/v1/samples", json=body)
+        if r is not None and r.status_code < 300:
+            follow(attack, r)
 
     client = whitney.Client(url, api_key=EVIL_KEY, timeout=300)
     deadline = [float("inf")]  # the hostile phase's end (time.monotonic()), set by run()
@@ -267,14 +283,14 @@ def hostile_attacks(url: str, models: dict[str, str], quick: bool, tally: Tally)
             "data": one_token_datums(12), "loss_function": "custom", "loss_config": {"loss_id": over_budget}}),
         "custom_loss_paid": lambda: training("custom_loss_paid", runs["custom_loss_paid"], {
             "data": paid_datums, "loss_function": "custom", "loss_config": {"loss_id": paid}}, wait=True),
-        "jpeg_text": lambda: send("jpeg_text", "POST", "/v1/samples", json={
+        "jpeg_text": lambda: sample("jpeg_text", {
             "base_model": text, "prompt": word + [image_chunk(many_scans, "jpeg")], "max_tokens": 1}),
-        "jpeg_vision": lambda: send("jpeg_vision", "POST", "/v1/samples", json={
+        "jpeg_vision": lambda: sample("jpeg_vision", {
             "base_model": vision, "prompt": word + [image_chunk(many_scans, "jpeg")], "max_tokens": 1}),
-        "jpeg_vision_max": lambda: send("jpeg_vision_max", "POST", "/v1/samples", json={
+        "jpeg_vision_max": lambda: sample("jpeg_vision_max", {
             "base_model": vision, "prompt": word + [image_chunk(most_scans, "jpeg")] * (2 if quick else 8),
             "max_tokens": 1}),
-        "expected_tokens": lambda: send("expected_tokens", "POST", "/v1/samples", json={
+        "expected_tokens": lambda: sample("expected_tokens", {
             "base_model": vision, "prompt": word + [image_chunk(png, "png", expected_tokens=10**9)], "max_tokens": 1}),
         "proto_sparse": lambda: send("proto_sparse", "POST", "/forward_backward", http=tinker, content=proto_body,
                                      headers={"Content-Type": "application/x-protobuf"}),
@@ -449,6 +465,8 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
              "ratio": ratio, "target": 3.0, "op": "<="},
             {"name": "hostile: 5xx answers, every client (well-behaved, hostile, /healthz probe)",
              "ratio": float(fivexx), "target": 0.0, "op": "<=", "unit": "errors"},
+            {"name": "hostile: the hostile tenant's accepted requests whose operation failed as `internal`",
+             "ratio": float(tally.internal()), "target": 0.0, "op": "<=", "unit": "errors"},
             {"name": "hostile: server RSS growth during the hostile phase", "ratio": growth, "target": 300.0,
              "op": "<", "unit": "MB"},
             {"name": "(info) hostile: well-behaved clients' forward_backward operations completed, with / without",
