@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=None, help="checkpoints and database (default ~/.local/share/whitney)")
     serve.add_argument("--db-url", default=None, help="SQLAlchemy URL (default: a SQLite file in the data dir)")
     serve.add_argument("--api-key", action="append", default=[], help="required bearer key (repeatable)")
+    serve.add_argument("--metrics-key", default=os.environ.get("WHITNEY_METRICS_KEY"),
+                       help="the operator's bearer key for GET /metrics (server-wide: every tenant's runs); with API "
+                            "keys on, /metrics answers only this key, never an API key (default: "
+                            "$WHITNEY_METRICS_KEY; none: /metrics answers no one while keys are on)")
     serve.add_argument("--session-timeout", type=float, default=600.0,
                        help="seconds without a heartbeat before a session expires (its open runs are then cancelled)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
@@ -110,7 +114,7 @@ def serve_main(args) -> int:
         config = ServiceConfig(models=args.model or [DEFAULT_MODEL], api_keys=args.api_key, db_url=args.db_url,
                                session_timeout=args.session_timeout, engine=engine_config(args),
                                limits=request_limits(args), require_keys=args.require_keys,
-                               key_limits=key_limits(args), **backend_config(args))
+                               key_limits=key_limits(args), metrics_key=args.metrics_key, **backend_config(args))
     except WhitneyError as e:
         print(f"whitney serve: {e.message}", file=sys.stderr)
         return 2

@@ -232,8 +232,9 @@ def test_a_requests_key_is_checked_once(make_server, monkeypatch):
     """KeyGate checks the key before routing and hands its owner to the route: no second check per request."""
     server = make_server(api_keys=[KEY])
     keys, calls = server.app.state.whitney.keys, []
-    check = keys.owner
-    monkeypatch.setattr(keys, "owner", lambda key: calls.append(key) or check(key))
+    check = keys.owner_of_digest  # what owner() and the gate's cached_owner() ask
+    monkeypatch.setattr(keys, "owner_of_digest",
+                        lambda digest, lookup=True: calls.append(digest) or check(digest, lookup))
     with server.http(KEY) as http:
         sid = session(http)
         calls.clear()

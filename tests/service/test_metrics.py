@@ -62,7 +62,23 @@ def test_metrics_count_what_the_server_did_and_holds(server):
     assert not any(name == "whitney_run_adapter_bytes" for name, _ in m)
 
 
-def test_metrics_need_a_key_when_keys_are_on(make_server):
-    server = make_server(api_keys=["k1"])
-    assert server.http().get("/metrics").status_code == 401
-    assert server.http("k1").get("/metrics").status_code == 200
+def test_metrics_are_the_operators_not_a_tenants(make_server, tmp_path):
+    """Issue 31, item 11: /metrics lists every tenant's run ids, so with keys on only the metrics key (the
+    operator's, `--metrics-key`) reads it; a tenant's valid key is refused, and the metrics key opens nothing
+    else. Without a metrics key, a server with keys answers /metrics to no one."""
+    server = make_server(api_keys=["k1", "k2"], metrics_key="m-operator")
+    run = Client(server.url, api_key="k2").create_session().create_run(**LORA, seed=3)
+    for key in (None, "k1", "k2", "m-wrong"):
+        r = server.http(key).get("/metrics")
+        assert r.status_code == 401 and r.json()["field"] == "authorization", (key, r.text)
+        assert run.id not in r.text and "--metrics-key" in r.json()["message"]
+    m = scrape(server.http("m-operator"))
+    assert value(m, "whitney_run_adapter_bytes", run_id=run.id, base_model=server.app.state.whitney.models[0]) > 0
+    tinker_style = server.http().get("/metrics", headers={"X-API-Key": "m-operator"})
+    assert tinker_style.status_code == 200
+    assert server.http("m-operator").get("/v1/sessions").status_code == 401, "the metrics key is no tenant's key"
+
+    unset = make_server(api_keys=["k1"], data_dir=tmp_path / "other")
+    for key in (None, "k1"):
+        r = unset.http(key).get("/metrics")
+        assert r.status_code == 401 and "no metrics key" in r.json()["message"], r.text

@@ -64,6 +64,7 @@ class ServiceConfig:
     # is set or the database holds a key; key_limits are the server's defaults, a key's own limits override them.
     require_keys: bool = False
     key_limits: KeyLimits = field(default_factory=KeyLimits)
+    metrics_key: str | None = None  # the operator's key for GET /metrics (http/metrics.py); never a tenant's key
     # Where the engine runs: "inprocess" (this process) or "ray" (workers on a Ray cluster; see RayBackend).
     backend: str = "inprocess"
     ray_address: str | None = None  # None: start a local Ray instance
@@ -83,7 +84,10 @@ def create_app(config: ServiceConfig, backend: ServedBackend | None = None,
     """
     data_dir = Path(config.data_dir).expanduser()
     data_dir.mkdir(parents=True, exist_ok=True)
-    metrics = Metrics()
+    if config.metrics_key and config.metrics_key in config.api_keys:
+        raise InvalidInput("the metrics key must not be one of the API keys: a tenant's key never reads /metrics",
+                           field="metrics_key")
+    metrics = Metrics(config.metrics_key)
     store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}", observer=metrics.operation_ended)
     store.recover_after_restart()
     remove_leftovers(data_dir / "packages")  # half-written checkpoints of a killed process

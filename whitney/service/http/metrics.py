@@ -21,15 +21,22 @@ Read from the store and the backend at each scrape:
                                                     run's first optimizer use, and the time it took
   whitney_{page_out,page_in,moment_read}_duration_seconds   histograms of each one's seconds (quantiles)
 Rates (tokens/s) are Prometheus's `rate()` of the counters.
+
+Who may read them: the server's operator only. They are server-wide (every tenant's run ids and holdings), so
+a tenant's API key never reads them. With keys on, a scraper presents the metrics key the server was started
+with (`whitney serve --metrics-key`, as `Authorization: Bearer <it>`); without one, /metrics answers no one. A
+server with neither keys nor a metrics key (one user) answers anyone, as every route of it does.
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from whitney.service.store.keys import Unauthorized, digest_of
 from whitney.service.store.lifecycle import RUN_LIVE, OperationKind, OperationStatus, SessionStatus
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
@@ -39,7 +46,8 @@ TRAINING = (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD)
 class Metrics:
     """One server's metrics, in its own registry (several apps in one process never mix)."""
 
-    def __init__(self):
+    def __init__(self, scrape_key: str | None = None):
+        self._scrape_digest = digest_of(scrape_key) if scrape_key else None  # --metrics-key's sha256
         self.registry = CollectorRegistry()
         r = self.registry
         self.operations = Counter("whitney_operations", "Operations ended, by kind and outcome",
@@ -69,6 +77,18 @@ class Metrics:
     def watch(self, state) -> None:
         """Gauges read at each scrape from the service's store and backend."""
         self.registry.register(_Holdings(state))
+
+    def check_scraper(self, credential: str | None, keys_required: bool) -> None:
+        """Unauthorized unless `credential` is the metrics key, or the server has neither keys nor a metrics key."""
+        if self._scrape_digest is not None:
+            if credential and hmac.compare_digest(digest_of(credential), self._scrape_digest):
+                return
+            raise Unauthorized("/metrics needs the operator's metrics key (Authorization: Bearer <the key given to "
+                               "whitney serve --metrics-key>); an API key does not read it", field="authorization")
+        if keys_required:
+            raise Unauthorized("/metrics is for the server's operator and this server has no metrics key: start it "
+                               "with --metrics-key <secret> and scrape with that key; an API key does not read it",
+                               field="authorization")
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

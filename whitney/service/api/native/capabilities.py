@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Annotated
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Header, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, presented_key
 from whitney.service.store.lifecycle import SAMPLING_KINDS, TRAINING_KINDS
 
 router = APIRouter(prefix="/v1", tags=["capabilities"])
@@ -63,8 +64,11 @@ def quota(st: State, who: Owner) -> dict:
 
 @health.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
-def metrics(st: State, who: Owner) -> Response:
-    """Prometheus metrics (whitney.service.http.metrics); with API keys on, any valid key may scrape."""
+def metrics(st: State, authorization: Annotated[str | None, Header()] = None,
+            x_api_key: Annotated[str | None, Header()] = None) -> Response:
+    """Prometheus metrics (whitney.service.http.metrics), server-wide, for the operator: with API keys on, only
+    the metrics key (`whitney serve --metrics-key`) reads them, never a tenant's key."""
+    st.metrics.check_scraper(presented_key(authorization, x_api_key), bool(st.keys.required()))
     return Response(st.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
 
