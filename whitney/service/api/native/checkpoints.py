@@ -3,8 +3,6 @@ expiry, user metadata, publishing and copies (packages.py holds the rules)."""
 
 from __future__ import annotations
 
-import io
-import tarfile
 import time
 from pathlib import Path
 from typing import Annotated
@@ -14,8 +12,9 @@ from fastapi.responses import Response
 
 from whitney.errors import NotFound
 from whitney.service.api.native import schemas
-from whitney.service.http import signing
+from whitney.service.http import downloads, signing
 from whitney.service.http.deps import Owner, State
+from whitney.service.scheduling.limits import check_metadata
 from whitney.service.store import packages
 from whitney.service.store.records import PackageRecord
 
@@ -41,6 +40,8 @@ def get_checkpoint(package_id: str, st: State, who: Owner):
 @router.patch("/checkpoints/{package_id}", response_model=schemas.Package, status_code=200)
 def update_checkpoint(package_id: str, body: schemas.PackageUpdate, st: State, who: Owner):
     """Set the expiry (`ttl_seconds` from now; null removes it) and/or replace the user_metadata."""
+    if body.user_metadata is not None:
+        check_metadata(st.limits, body.user_metadata)  # bounded depth and size, before it is stored
     return packages.settle(st.store, package_id, who, ttl_seconds=body.ttl_seconds,
                            clear_ttl="ttl_seconds" in body.model_fields_set and body.ttl_seconds is None,
                            user_metadata=body.user_metadata)
@@ -79,11 +80,8 @@ def copy_checkpoint(package_id: str, body: schemas.PackageCopy, st: State, who: 
 def download_checkpoint(package_id: str, st: State, who: Owner):
     """The package directory as a tar archive (a PEFT adapter, a merged model, or a saved state)."""
     package = st.store.get_package(package_id, who)
-    buf = io.BytesIO()
-    with packages.Reading(st.store, package.path) as root, tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(root, arcname=f"{package.name}-v{package.version}")
-    return Response(buf.getvalue(), media_type="application/x-tar", headers={
-        "Content-Disposition": f'attachment; filename="{package.name}-v{package.version}.tar"'})
+    name = f"{package.name}-v{package.version}"  # streamed as its files are read (http/downloads.py)
+    return downloads.archive(st.store, package.path, name, f"{name}.tar")
 
 
 def signed_urls(request: Request, package: PackageRecord) -> dict:
@@ -109,7 +107,4 @@ def signed_file(package_id: str, expires: int, signature: str, path: str, st: St
     package = st.store.get_package(package_id)
     if path not in packages.files(package):
         raise NotFound(f"no file {path!r} in the package", field="path")
-    with packages.Reading(st.store, package.path) as root:
-        data = (Path(root) / path).read_bytes()
-    return Response(data, media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="{Path(path).name}"'})
+    return downloads.one_file(st.store, package.path, path, Path(path).name)  # streamed (http/downloads.py)
