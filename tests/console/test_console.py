@@ -34,7 +34,7 @@ def test_console_checks_keys_itself(console_server):
         assert http.get("/console/login").status_code == 200
         for path in ("/console/parts/sessions", f"/console/runs/{run_id}/curves", "/console/server/throughput",
                      f"/console/runs/{run_id}", "/console/playground"):
-            for headers in ({}, {"Authorization": "Bearer tml-wrong"}, {"Cookie": "whitney_console_key=tml-wrong"}):
+            for headers in ({}, {"Authorization": "Bearer tml-wrong"}, {"Cookie": "whitney_console_session=tml-wrong"}):
                 r = http.get(path, headers=headers)
                 assert r.status_code == 401, (path, headers, r.status_code)
                 assert r.json()["code"] == "unauthorized"
@@ -51,7 +51,7 @@ def test_console_checks_keys_itself(console_server):
         # Wrong key at the form: 401 and the form again, no cookie.
         r = http.post("/console/login", data={"key": "tml-wrong", "next": "/console/"})
         assert r.status_code == 401 and "not valid" in r.text
-        assert "whitney_console_key" not in r.headers.get("set-cookie", "")
+        assert "whitney_console_session" not in r.headers.get("set-cookie", "")
 
 
 def test_wrong_key_sees_nothing(console_server, page):
@@ -62,7 +62,7 @@ def test_wrong_key_sees_nothing(console_server, page):
     assert run_id not in page.content()
     screenshot(page, "0-sign-in-refused")
     # A stale cookie (a key revoked since) goes back to the form, saying why.
-    page.context.add_cookies([{"name": "whitney_console_key", "value": "tml-revoked", "url": url}])
+    page.context.add_cookies([{"name": "whitney_console_session", "value": "tml-revoked", "url": url}])
     page.goto(f"{url}/console/runs/{run_id}")
     assert "/console/login" in page.url and "no longer valid" in page.get_by_role("alert").inner_text()
     # Another valid key sees none of KEY_A's objects.

@@ -19,13 +19,15 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict
 from whitney.service.api.native import checkpoints
 from whitney.service.console import configuration, curves_csv, queries
-from whitney.service.console.auth import COOKIE, SignIn, viewer
+from whitney.service.console.auth import COOKIE, SESSION_SECONDS, SignIn, session_token, viewer, viewer_digest
 from whitney.service.console.exports import EXPORTABLE, export_peft
 from whitney.service.console.server import server_view
+from whitney.service.http import signing
 from whitney.service.http.deps import ServiceState
 from whitney.service.store import run_metrics, run_samples
 from whitney.service.store.keys import Unauthorized
@@ -133,23 +135,26 @@ def login_form(request: Request, reason: str = "", next: str = ""):
 
 @public.post("/login", response_class=HTMLResponse)
 async def login(request: Request):
-    """Check the key (a valid key has an owner; a wrong one is refused here, saying so) and keep it in a
-    cookie for this browser session."""
+    """Check the key (a valid key has an owner; a wrong one is refused here, saying so) and keep, not the key,
+    but a session token signed by this server in an HttpOnly cookie (auth.py)."""
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     key, target = form.get("key", [""])[0].strip(), form.get("next", [""])[0]
     base = request.scope.get("root_path", "")
-    try:
-        valid = bool(key) and _state(request).keys.owner(key) != ""
+    try:  # a key not cached is looked up in the store: on a worker thread, not the event loop
+        valid = bool(key) and await run_in_threadpool(_state(request).keys.owner, key) != ""
     except Unauthorized:  # unknown or revoked
         valid = False
     if not valid:
         error = "Enter your API key." if not key else "This key is not valid on this server (unknown or revoked)."
-        return templates.TemplateResponse(request, "login.html", {"reason": "", "next": target, "error": error},
-                                          status_code=401)
+        return await run_in_threadpool(  # the page's context reads the key ring (the store): not on the event loop
+            lambda: templates.TemplateResponse(request, "login.html", {"reason": "", "next": target, "error": error},
+                                               status_code=401))
     if not target.startswith(f"{base}/") or target.startswith("//") or "/login" in target:
         target = f"{base}/"
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(COOKIE, key, path=base or "/", samesite="strict", secure=request.url.scheme == "https")
+    # Never the key itself: a signed token of its digest that no script can read (auth.py).
+    response.set_cookie(COOKIE, session_token(key), max_age=SESSION_SECONDS, path=base or "/", httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https")
     return response
 
 
@@ -157,7 +162,8 @@ async def login(request: Request):
 def logout(request: Request):
     base = request.scope.get("root_path", "")
     response = RedirectResponse(f"{base}/login", status_code=303)
-    response.delete_cookie(COOKIE, path=base or "/")
+    response.delete_cookie(COOKIE, path=base or "/", httponly=True, samesite="strict",
+                           secure=request.url.scheme == "https")
     return response
 
 
@@ -327,10 +333,25 @@ async def checkpoint_export(request: Request, package_id: str, who: Viewer):
     _htmx_only(request)
     st = _state(request)
     package = await export_peft(st, who, package_id)
-    return templates.TemplateResponse(request, "_run_files.html", _run_files(st, who, package.run_id))
+    # Rendered on the thread pool: the part reads the store (its files, and the viewer's key for the page).
+    return await run_in_threadpool(lambda: templates.TemplateResponse(request, "_run_files.html",
+                                                                      _run_files(st, who, package.run_id)))
 
 
 # ---- the playground and the server -------------------------------------------------------------
+
+PLAYGROUND_TOKEN_SECONDS = 600  # how long the playground's token to the API works (it asks for one per chat)
+
+
+@router.get("/playground/token")
+def playground_token(request: Request, who: Viewer):
+    """A short-lived token (signing.py's JWT of the viewer's key digest, as the Tinker SDK's) that the playground's
+    script sends to /v1/chat/completions: the session cookie is HttpOnly, so no script sees the key or the cookie.
+    None when the server requires no keys and the viewer gave none."""
+    digest = viewer_digest(request)
+    return JSONResponse({"token": signing.mint_jwt({"key_digest": digest}, PLAYGROUND_TOKEN_SECONDS)
+                         if digest else None})
+
 
 @router.get("/playground", response_class=HTMLResponse)
 def playground(request: Request, who: Viewer, model: str = "", compare: str = ""):

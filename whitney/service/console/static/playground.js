@@ -3,8 +3,9 @@
  *
  * The request has stream: true; the answer is server-sent events, one `data: {chat.completion.chunk}`
  * per event and `data: [DONE]` at the end, read here with a ReadableStream reader and shown as each
- * chunk arrives. With API keys on, the key the console signed in with (its cookie) is sent as
- * `Authorization: Bearer`, as any API client sends it.
+ * chunk arrives. With API keys on, a short-lived token of the signed-in key, asked of the console
+ * (GET /console/playground/token) for each chat, is sent as `Authorization: Bearer`, as any API client
+ * sends one: the sign-in cookie is HttpOnly, so this script never sees the key or the cookie.
  *
  * Waiting: the first chunk (the assistant's role) comes at once and carries the sampling operation's id
  * ("chatcmpl-<op id>"); until the first token, the pane asks GET /console/playground/wait?op=<id> what the
@@ -14,7 +15,6 @@
 (function () {
   "use strict";
 
-  const COOKIE = "whitney_console_key";
   const BASE = document.body.dataset.base;
   const API = BASE.replace(/\/console$/, "");  // the API's root: where /console is mounted
   const WAIT_MS = 700;
@@ -23,9 +23,11 @@
   const panes = [{ model: "model", box: "messages", empty: "chat-empty" }, { model: "model-b", box: "messages-b", empty: "chat-empty-b" }]
     .map((p) => ({ model: $(p.model), box: $(p.box), empty: $(p.empty), messages: [], controller: null }));
 
-  function key() {
-    const found = document.cookie.split("; ").find((c) => c.startsWith(COOKIE + "="));
-    return found ? decodeURIComponent(found.slice(COOKIE.length + 1)) : null;
+  /* A token for the API as the signed-in key (null: the server needs none). */
+  async function token() {
+    const r = await fetch(BASE + "/playground/token", { headers: { Accept: "application/json" }, credentials: "same-origin" });
+    if (!r.ok) throw new Error("signed out: sign in again (HTTP " + r.status + ")");
+    return (await r.json()).token;
   }
 
   function active() { return panes[1].model.value ? panes : panes.slice(0, 1); }
@@ -128,11 +130,12 @@
       max_tokens: Number($("max_tokens").value),
     };
     const headers = { "Content-Type": "application/json", Accept: "text/event-stream" };
-    if (key()) headers.Authorization = "Bearer " + key();
     pane.controller = new AbortController();
     const started = performance.now();
     let first = null, chunks = 0, finish = null, text_ = "", usage = null, waiting = true;
     try {
+      const bearer = await token();
+      if (bearer) headers.Authorization = "Bearer " + bearer;
       const r = await fetch(API + "/v1/chat/completions", { method: "POST", headers, body: JSON.stringify(payload), signal: pane.controller.signal });
       if (!r.ok) {
         let body = null;
