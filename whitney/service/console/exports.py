@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+from starlette.concurrency import run_in_threadpool
+
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.backend import PackageKind
 from whitney.protocol.training import LoraConfig
@@ -22,15 +24,9 @@ EXPORTABLE = ("state", "sampler")
 
 
 async def export_peft(st: ServiceState, owner: str, package_id: str) -> PackageRecord:
-    """Write the package's adapter as a PEFT LoRA directory and register it; answers the new package."""
-    package = st.store.get_package(package_id, owner)
-    if package.owner != owner:  # another key's public package: readable, but not the caller's to add to
-        raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
-    if package.kind not in EXPORTABLE:
-        raise InvalidInput(f"checkpoint {package_id} is a {package.kind} package; only state and sampler "
-                           "packages are exported (the others are exports already)", field="checkpoint_id")
-    run = st.store.get_run(package.run_id)
-    lora = LoraConfig.from_dict(run.lora)
+    """Write the package's adapter as a PEFT LoRA directory and register it; answers the new package. The store's
+    reads and writes run on the thread pool, the export on the scheduler's thread: none on the event loop."""
+    package, lora = await run_in_threadpool(_exportable, st, owner, package_id)
     new_package, scratch = new_id("pkg"), new_id("export")
     path = str(st.data_dir / "packages" / new_package)
     backend = st.scheduler.backend
@@ -43,5 +39,17 @@ async def export_peft(st: ServiceState, owner: str, package_id: str) -> PackageR
             backend.delete_run(scratch)
 
     await asyncio.wrap_future(st.scheduler.call(export))
-    return st.store.register_package(package.run_id, owner, PackageKind.LORA, f"{package.name}-v{package.version}",
-                                     path, package.base_model, False, new_package)
+    return await run_in_threadpool(st.store.register_package, package.run_id, owner, PackageKind.LORA,
+                                   f"{package.name}-v{package.version}", path, package.base_model, False,
+                                   new_package)
+
+
+def _exportable(st: ServiceState, owner: str, package_id: str) -> tuple[PackageRecord, LoraConfig]:
+    """The caller's package, if it is one to export, and its run's LoRA config."""
+    package = st.store.get_package(package_id, owner)
+    if package.owner != owner:  # another key's public package: readable, but not the caller's to add to
+        raise NotFound(f"model package {package_id!r} does not exist", field="checkpoint_id")
+    if package.kind not in EXPORTABLE:
+        raise InvalidInput(f"checkpoint {package_id} is a {package.kind} package; only state and sampler "
+                           "packages are exported (the others are exports already)", field="checkpoint_id")
+    return package, LoraConfig.from_dict(st.store.get_run(package.run_id).lora)

@@ -71,9 +71,9 @@ class Ends:
         future = loop.create_future()
         with self._lock:
             self._waiters.setdefault(op_id, []).append((loop, future))
-        if self.store.get_operation(op_id).status in OPERATION_TERMINAL:
-            return
         try:
+            if (await asyncio.to_thread(self.store.get_operation, op_id)).status in OPERATION_TERMINAL:
+                return  # a store read: off the event loop
             await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             pass

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 
 from fastapi import APIRouter, Query
+from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict, InvalidInput
 from whitney.protocol.backend import PackageKind
@@ -168,8 +169,8 @@ def list_operations(run_id: str, st: State, who: Owner):
 async def get_operation(op_id: str, st: State, who: Owner,
                         wait: float = Query(0.0, ge=0.0, le=MAX_WAIT, description="long-poll up to this many seconds")):
     """An operation's state; with `wait`, held until it is terminal or the wait ends."""
-    op = st.store.get_operation(op_id, who)
+    op = await run_in_threadpool(st.store.get_operation, op_id, who)  # store reads: off the event loop
     if wait > 0 and op.status not in OPERATION_TERMINAL:
         await st.scheduler.wait(op_id, wait)
-        op = st.store.get_operation(op_id, who)
+        op = await run_in_threadpool(st.store.get_operation, op_id, who)
     return op

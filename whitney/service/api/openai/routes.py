@@ -164,7 +164,7 @@ def start(st: ServiceState, who: str, body: wire.Sampling, chat: bool) -> Starte
 async def ended(st: ServiceState, job: Started) -> dict:
     """The sampling operation's result once it is terminal (its error raised as what it is)."""
     while True:
-        op = st.store.get_operation(job.op_id)
+        op = await run_in_threadpool(st.store.get_operation, job.op_id)  # a store read: off the event loop
         if op.status in OPERATION_TERMINAL:
             break
         await st.scheduler.wait(job.op_id, 30.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from whitney.service.api.tinker import proto, training
 from whitney.service.api.tinker.common import Tinker, TinkerBody
@@ -34,21 +35,23 @@ class FutureRef(TinkerBody):
             "type": {"type": "string", "enum": ["try_again"]}, "request_id": {"type": "string"},
             "queue_state": {"type": "string"}}}}}}})
 async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
-    op = st.store.get_operation(body.request_id, who)
+    op = await run_in_threadpool(st.store.get_operation, body.request_id, who)  # store reads: off the event loop
     if op.status not in OPERATION_TERMINAL:
         await st.scheduler.wait(op.id, MAX_WAIT)
-        op = st.store.get_operation(op.id, who)
+        op = await run_in_threadpool(st.store.get_operation, op.id, who)
     if op.status not in OPERATION_TERMINAL:
         return JSONResponse(status_code=408, content={"type": "try_again", "request_id": op.id,
                                                       "queue_state": "active"})
     if op.status != OperationStatus.SUCCEEDED:
         error = op.error or {}
         return {"error": error.get("message", op.status), "category": error.get("category", FailureCategory.USER)}
+    # Encoding a result (up to the limits' tokens) and reading the packages it names: on the thread pool too.
     if op.kind in (OperationKind.FORWARD, OperationKind.FORWARD_BACKWARD):
-        return Response(proto.encode_forward_backward_output(op.result), media_type=PROTOBUF)
+        return Response(await run_in_threadpool(proto.encode_forward_backward_output, op.result),
+                        media_type=PROTOBUF)
     if op.kind == OperationKind.SAMPLE:
-        return Response(proto.encode_sample_response(op.result), media_type=PROTOBUF)
-    out = training.result(op, st)
+        return Response(await run_in_threadpool(proto.encode_sample_response, op.result), media_type=PROTOBUF)
+    out = await run_in_threadpool(training.result, op, st)
     sampler_id = ts.sampler_of_op.get(op.id)
     if sampler_id is not None:
         out = {**out, "path": None, "sampling_session_id": sampler_id}

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict
 from whitney.service.api.native import schemas
@@ -95,12 +96,18 @@ def telemetry() -> dict:
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, st: State, who: Owner) -> dict:
     """End the session: each active run finishes (what it has queued still runs). First finish wins."""
+    finishing = await run_in_threadpool(_close, st, who, session_id)  # store writes: off the event loop
+    for run_id in finishing:
+        await asyncio.wrap_future(st.scheduler.finish_run(run_id))
+    return {}
+
+
+def _close(st: ServiceState, who: str, session_id: str) -> list[str]:
+    """Close the caller's session; the ids of its active runs, each now finishing."""
     st.store.get_session(session_id, who)
     st.store.end_session(session_id, SessionStatus.CLOSED)
-    for run in st.store.runs_of_session(session_id):
-        if st.store.set_run_status(run.id, RunStatus.FINISHING):  # an active run
-            await asyncio.wrap_future(st.scheduler.finish_run(run.id))
-    return {}
+    return [run.id for run in st.store.runs_of_session(session_id)
+            if st.store.set_run_status(run.id, RunStatus.FINISHING)]  # an active run
 
 
 @router.get("/sessions")

@@ -88,16 +88,24 @@ async def create_model(body: CreateModel, st: State, who: Owner) -> dict:
     _check_optimizer(body.optimizer_config)
     run_id = model_id(body.session_id, body.model_seq_id)
     lora = body.lora_config or LoraConfig()
-    try:
-        st.store.get_run(run_id, who)  # a resent create_model: the run exists
-    except WhitneyError:
+    if not await run_in_threadpool(_run_exists, st, who, run_id):  # else a resent create_model: the run exists
         seed = lora.seed if lora.seed is not None else random.randrange(2**31)
         spec = schemas.LoraSpec(rank=lora.rank, seed=seed, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
                                 train_unembed=lora.train_unembed)
         await open_run(st, who, body.session_id, schemas.RunCreate(
             base_model=served(st, body.base_model), lora=spec, user_metadata=body.user_metadata or {}), run_id)
-    op = finished_op(st, who, OperationKind.CREATE_MODEL, {"model_id": run_id, "type": "create_model"})
+    op = await run_in_threadpool(finished_op, st, who, OperationKind.CREATE_MODEL,
+                                 {"model_id": run_id, "type": "create_model"})
     return future(op, model_id=run_id)
+
+
+def _run_exists(st: ServiceState, who: str, run_id: str) -> bool:
+    """Whether the caller has the run (a store read: the async routes call it on the thread pool)."""
+    try:
+        st.store.get_run(run_id, who)
+    except WhitneyError:
+        return False
+    return True
 
 
 class ModelRef(TinkerBody):
@@ -145,16 +153,17 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
         data = await run_in_threadpool(images.datums, req.data, budget, "data[{i}].model_input")
         lengths = [images.known_length(d.token_ids) for d in data]
         check_operation(st.limits, lengths)
-        try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn)
+        try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn; a store read)
             config = loss_config(st.scheduler.backend.losses(), req.loss_fn, req.loss_fn_config)
-            config = custom_losses.resolve(st.store, who, req.loss_fn, config)
+            config = await run_in_threadpool(custom_losses.resolve, st.store, who, req.loss_fn, config)
             if any(images.has_images(d.token_ids) for d in data):
                 lengths = await run_in_threadpool(_image_lengths, st, req, data, config)
                 check_operation(st.limits, lengths)
             job = ForwardJob(data, req.loss_fn, config, lengths)
         except WhitneyError as e:
             job = refused(e)
-    op = submit(st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(), job)
+    op = await run_in_threadpool(submit, st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(),
+                                 job)  # a store insert: off the event loop
     return future(op, model_id=req.model_id)
 
 
@@ -307,21 +316,27 @@ async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
         if body.model_seq_id is None:
             raise InvalidInput("session_id needs model_seq_id", field="model_seq_id")
         _check_optimizer(body.optimizer_config)
-        also = access_owner(st, body.weights_access_token)
-        package = resolve_path(st, who, body.path, also)
         run_id = model_id(body.session_id, body.model_seq_id)
-        try:
-            st.store.get_run(run_id, who)
-        except WhitneyError:
+        # Store reads (the key, the checkpoint, the run) on the thread pool, as every store call of these routes.
+        also = await run_in_threadpool(access_owner, st, body.weights_access_token)
+        package = await run_in_threadpool(resolve_path, st, who, body.path, also)
+        if not await run_in_threadpool(_run_exists, st, who, run_id):
             await open_run(st, who, body.session_id, schemas.RunCreate(
                 base_model=body.base_model, user_metadata=body.user_metadata or {},
                 resume_from=schemas.ResumeFrom(checkpoint_id=package.id, with_optimizer=body.optimizer)), run_id,
                 also)
-        op = finished_op(st, who, kind, {"path": body.path, "model_id": run_id, "type": "load_weights"})
+        op = await run_in_threadpool(finished_op, st, who, kind,
+                                     {"path": body.path, "model_id": run_id, "type": "load_weights"})
         return future(op, model_id=run_id)
     if body.model_id is None:
         raise InvalidInput("load_weights needs model_id (with seq_id) or session_id (with model_seq_id)",
                            field="model_id")
+    op = await run_in_threadpool(_load_into, st, who, body, kind)
+    return future(op, model_id=body.model_id)
+
+
+def _load_into(st: ServiceState, who: str, body: LoadWeights, kind: OperationKind) -> OperationRecord:
+    """load_state into the existing model body.model_id, in its seq_id order (store reads and an insert)."""
     try:
         package = resolve_path(st, who, body.path, access_owner(st, body.weights_access_token))
         if body.optimizer and not package.has_optimizer:
@@ -329,8 +344,7 @@ async def load_weights(body: LoadWeights, st: State, who: Owner) -> dict:
         job: Job = LoadJob(package.path, package.id)
     except WhitneyError as e:
         job = refused(e)
-    op = submit(st, who, body.model_id, body.seq_id, kind, digest(body.model_dump()), job)
-    return future(op, model_id=body.model_id)
+    return submit(st, who, body.model_id, body.seq_id, kind, digest(body.model_dump()), job)
 
 
 def result(op: OperationRecord, st: ServiceState) -> dict:
