@@ -12,6 +12,7 @@ from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
 from whitney.engine.families.lora import Adapter, RowGroups, lora_delta
 from whitney.engine.training import optim
 from whitney.engine.training.optim import OptimizerState, optim_step, optim_steps
+from whitney.errors import InvalidInput
 from whitney.protocol.backend import Failure
 from whitney.protocol.training import AdamParams
 
@@ -106,6 +107,109 @@ def test_backend_optim_steps_equal_per_run_steps_and_fail_alone(tiny_llama):
     assert out[2]["step"] == 3.0
     assert isinstance(out[3], Failure) and out[3].code == "conflict"
     assert any(not torch.equal(t, before[n]) for n, t in other.runs["r0"].adapter.named_parameters())
+
+
+def _snapshot(weights: dict, state: OptimizerState) -> tuple:
+    return ({n: t.clone() for n, t in weights.items()}, state.step,
+            {n: t.clone() for n, t in state.exp_avg.items()}, {n: t.clone() for n, t in state.exp_avg_sq.items()})
+
+
+def _assert_unchanged(before: tuple, weights: dict, state: OptimizerState) -> None:
+    w, step, m, v = before
+    assert state.step == step and sorted(state.exp_avg) == sorted(m) and sorted(state.exp_avg_sq) == sorted(v)
+    for n in w:
+        assert torch.equal(weights[n], w[n]), n
+    for n in m:
+        assert torch.equal(state.exp_avg[n], m[n]) and torch.equal(state.exp_avg_sq[n], v[n]), n
+
+
+@pytest.mark.parametrize("chunk", [optim.STEP_CHUNK_ELEMENTS, 100], ids=["one-pass", "chunks-of-runs"])
+def test_a_non_finite_gradient_is_refused_alone_and_dropped(monkeypatch, chunk):
+    """Among batched steps, a run whose gradient holds a NaN, one whose gradient_scale overflows it to infinity,
+    and one refused on its very first step take no step: weights, moments and step count bitwise as they were
+    (no zero moments made), the gradient dropped, the result a NonFiniteGradient naming the modules; every
+    other run steps bitwise as alone. The refused runs step normally next time."""
+    monkeypatch.setattr(optim, "STEP_CHUNK_ELEMENTS", chunk)
+    alone = [_run(shapes, i) for i, (shapes, _) in enumerate(RUNS)]
+    batched = [_run(shapes, i) for i, (shapes, _) in enumerate(RUNS)]
+    hps = [hp for _, hp in RUNS]
+    for i, (shapes, hp) in enumerate(RUNS):  # a first step for all but run 3 (whose first one is refused)
+        if i != 3:
+            for weights, state in (alone[i], batched[i]):
+                optim_step(weights, _grads(shapes, i, 0), state, hp)
+    all_grads = [_grads(shapes, i, 1) for i, (shapes, _) in enumerate(RUNS)]
+    all_grads[0]["m.0.lora_B"][1, 2] = float("nan")
+    hps[2] = AdamParams(learning_rate=5e-4, gradient_scale=1e38)  # finite gradients times 1e38: infinities
+    all_grads[3]["m.0.lora_A"][0, 0] = float("-inf")
+    before = [_snapshot(weights, state) for weights, state in batched]
+    got = optim_steps([(weights, grads, state, hp) for (weights, state), grads, hp in zip(batched, all_grads, hps)])
+    assert all(grads == {} for grads in all_grads), "every gradient consumed or dropped"
+    for i in (0, 2, 3):
+        assert isinstance(got[i], optim.NonFiniteGradient) and got[i].code == "invalid_input", got[i]
+        _assert_unchanged(before[i], *batched[i])
+    assert got[0].weights == ["m.0.lora_B"] and "1 module: m.0;" in got[0].message
+    assert "not finite" in got[0].message and "refused" in got[0].message
+    assert got[3].weights == ["m.0.lora_A"] and batched[3][1].exp_avg == {}, "no moments made by a refused step"
+    assert "2 modules: m.1" in got[2].message or "1 module: m.1" in got[2].message, got[2].message
+    assert "of run 'r'" in got[0].of_run("r").message
+    want = optim_step(alone[1][0], _grads(RUNS[1][0], 1, 1), alone[1][1], RUNS[1][1])
+    assert got[1] == want
+    _assert_same(alone[1], batched[1])
+    with pytest.raises(optim.NonFiniteGradient):  # one run alone raises it
+        optim_step(batched[0][0], {"m.0.lora_A": torch.full((4, 8), float("nan"))}, batched[0][1], hps[0])
+    _assert_unchanged(before[0], *batched[0])
+    # Next time, finite gradients: the refused runs step as runs that never saw the bad gradient.
+    for i in (0, 3):
+        shapes, hp = RUNS[i]
+        want = optim_step(alone[i][0], _grads(shapes, i, 2), alone[i][1], hp)
+        assert optim_step(batched[i][0], _grads(shapes, i, 2), batched[i][1], hp) == want
+        _assert_same(alone[i], batched[i])
+
+
+def _nan_loss(logprobs):
+    """log-probs are negative: their square root is NaN, and so is its gradient (a real custom loss's mistake)."""
+    loss = torch.sqrt(logprobs).sum()
+    return loss, {}
+
+
+def test_a_nan_loss_gradient_is_refused_by_the_engine_and_the_run_trains_on(tiny_llama):
+    """End to end in the engine: a custom loss whose gradient is NaN, then batched optim_steps with another
+    run: the NaN run's step fails alone (invalid_input naming the run and its modules), its adapter and AdamW
+    state bitwise unchanged and its gradient dropped; the other run steps as it would alone; the NaN run then
+    trains on with finite numbers."""
+    from tests.engine.test_custom_loss import definition
+
+    spec = definition(_nan_loss, {"logprobs": 1})
+    data = [Datum([5, 17, 42, 8, 99], {"target_tokens": [17, 42, 8, 99, 3]})]
+    one, ref = Engine(), Engine()
+    for engine in (one, ref):
+        for run_id in ("nan", "ok"):
+            engine.create_run(run_id, tiny_llama, LoraConfig(rank=2, seed=1))
+            engine.forward_backward(run_id, data)
+            engine.optim_step(run_id, AdamParams(learning_rate=1e-2))
+        engine.forward_backward("ok", data)
+    run = one.runs["nan"]
+    result = one.forward_backward("nan", data, "custom", spec)
+    assert result.loss != result.loss, "the loss is NaN"
+    assert run.grads and not all(torch.isfinite(g).all() for g in run.grads.values())
+    before = _snapshot(run.weights(), run.optimizer)
+    params = AdamParams(learning_rate=1e-2)
+    failure, metrics = InProcessBackend(one).optim_steps([("nan", params), ("ok", params)])
+    assert isinstance(failure, Failure) and failure.code == "invalid_input" and failure.category == "user", failure
+    assert "run 'nan'" in failure.message and "not finite" in failure.message and "model.layers.0" in failure.message
+    _assert_unchanged(before, run.weights(), run.optimizer)
+    assert run.grads == {}, "dropped"
+    assert metrics == ref.optim_step("ok", params)
+    with pytest.raises(InvalidInput) as e:  # one run alone, the same refusal
+        one.forward_backward("nan", data, "custom", spec)
+        one.optim_step("nan", params)
+    assert "run 'nan'" in e.value.message
+    _assert_unchanged(before, run.weights(), run.optimizer)
+    # The run trains on: the same numbers as the reference run that never saw the NaN loss.
+    for engine in (one, ref):
+        engine.forward_backward("nan", data)
+    got, want = one.optim_step("nan", params), ref.optim_step("nan", params)
+    assert got == want and got["grad_norm"] > 0
 
 
 def _adapter(rank: int, d_in: int, d_out: int, seed: int) -> Adapter:

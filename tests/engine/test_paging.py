@@ -3,6 +3,7 @@ back to the system (measured as the process's RSS), files gone with their runs."
 
 from __future__ import annotations
 
+import errno
 import gc
 import threading
 import time
@@ -15,7 +16,8 @@ from whitney.backends.in_process import InProcessBackend
 from whitney.engine import Datum, Engine, ForwardRequest, LoraConfig
 from whitney.engine.memory import page_file, paging
 from whitney.engine.memory.paging import PagedMoments, remove_leftovers
-from whitney.errors import Conflict, InvalidInput, NotFound
+from whitney.errors import Conflict, InvalidInput, NotFound, Unavailable
+from whitney.protocol.backend import Failure, WorkerLost
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SamplingParams
 from whitney.protocol.training import AdamParams
@@ -374,6 +376,131 @@ def test_a_write_that_fails_puts_the_state_back(tiny_llama, tmp_path, monkeypatc
     assert not [f for f in tmp_path.rglob("*") if f.is_file()]
     for run_id in ("a", "b"):
         _assert_same_state(kept, engine, run_id)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1)
+
+
+# Each way a page file is lost: what is done to it, and what the error says happened.
+DAMAGES = {"flipped": (lambda path, paged: _flip_byte(path, paged.entries[-1].offset), "checksum does not match"),
+           "truncated": (lambda path, paged: _truncate(path), "truncated"),
+           "deleted": (lambda path, paged: path.unlink(), "missing")}
+
+
+def _trained(engines: tuple[Engine, ...], run_ids: list[str], model: str) -> None:
+    for e in engines:
+        for run_id in run_ids:
+            e.create_run(run_id, model, LORA)
+            e.forward_backward(run_id, _data(0))
+            e.optim_step(run_id, {"learning_rate": 0.05})
+            e.forward_backward(run_id, _data(1))  # a gradient waiting for its optim_step goes out too
+
+
+def _assert_lost(engine: Engine, run_id: str, cause: str, tmp_path: Path, error: BaseException) -> None:
+    """The error is the run's loss (a WorkerLost), says what happened, names no path; the run and its files are
+    gone from the engine, and each later use fails the same way."""
+    message = str(error)
+    assert isinstance(error, paging.RunStateLost) and isinstance(error, WorkerLost), repr(error)
+    assert f"run {run_id!r} lost its state" in message and cause in message, message
+    assert str(tmp_path) not in message and ".bin" not in message and "/" not in message, message
+    assert run_id not in engine.runs and run_id not in engine.pager.paged and run_id not in engine.pager.last_used
+    for use in (lambda: engine.forward(run_id, _data(2)), lambda: engine.optim_step(run_id, {}),
+                lambda: engine.save_weights_for_sampler(run_id)):
+        with pytest.raises(paging.RunStateLost) as again:
+            use()
+        assert str(again.value) == message
+    with pytest.raises(Conflict) as refused:  # a request checked on another thread: a 4xx, not a 500
+        engine.validate(ForwardRequest(run_id, _data(2)), backward=True)
+    assert refused.value.message == message and refused.value.field == "run_id"
+    with pytest.raises(Conflict):
+        engine.create_run(run_id, engine.models[next(iter(engine.models))].name, LORA)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_page_file_damaged_truncated_or_deleted_loses_its_run_alone(tiny_llama, tmp_path, damage):
+    """A paged-out run whose page file had a byte flipped, was truncated or was deleted is never used with
+    what is left: its next use fails with RunStateLost (worker_lost through the backend, naming the run, not
+    the file), the run is forgotten (files removed) and reported once by take_lost_runs; the other paged-out
+    run's numbers are bitwise an engine's that never paged. Deleting the lost run frees its id."""
+    kept, engine = Engine(), Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    _trained((kept, engine), ["hit", "other"], tiny_llama)
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 2 and not engine.pager.settle()
+    paged = engine.pager.paged["hit"]
+    do, cause = DAMAGES[damage]
+    do(paged.path, paged)
+    backend = InProcessBackend(engine)
+    requests = [ForwardRequest("hit", _data(2)), ForwardRequest("other", _data(2))]
+    failure, result = backend.run_batch(requests, backward=True)
+    assert isinstance(failure, Failure) and failure.code == "worker_lost" and failure.category == "server", failure
+    assert result == kept.run_batch([ForwardRequest("other", _data(2))], backward=True)[0]
+    with pytest.raises(paging.RunStateLost) as lost:
+        engine.get_run("hit")
+    assert failure.message == str(lost.value)
+    _assert_lost(engine, "hit", cause, tmp_path, lost.value)
+    assert not paged.path.exists() and not paged.optimizer.path.exists(), "its files removed"
+    assert backend.take_lost_runs() == ["hit"] and backend.take_lost_runs() == [], "reported once"
+    assert engine.optim_step("other", {"learning_rate": 0.05}) == kept.optim_step("other", {"learning_rate": 0.05})
+    _assert_same_state(kept, engine, "other")
+    engine.delete_run("hit")
+    with pytest.raises(NotFound):
+        engine.get_run("hit")
+    engine.create_run("hit", tiny_llama, LORA)  # the id is free again
+    engine.forward_backward("hit", _data(0))
+
+
+def test_a_damaged_moments_file_loses_the_run_at_its_optim_step_alone(tiny_llama, tmp_path):
+    """The AdamW moments, read only at the run's next optim_step, are checked too: a byte flipped in their file
+    fails that step (the batched optim_steps' other runs step as the never-paged engine's) and loses the run."""
+    kept, engine = Engine(), Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    _trained((kept, engine), ["hit", "other"], tiny_llama)
+    engine.pager._next_sweep = 0.0
+    assert engine.page_out_idle() == 2 and not engine.pager.settle()
+    moments = engine.pager.paged["hit"].optimizer
+    _flip_byte(moments.path, moments.entries[0].offset)
+    assert engine.forward("hit", _data(2)).loss == kept.forward("hit", _data(2)).loss, "moments not read yet"
+    params = AdamParams(learning_rate=0.05)
+    failure, metrics = InProcessBackend(engine).optim_steps([("hit", params), ("other", params)])
+    assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
+    assert metrics == kept.optim_step("other", params)
+    with pytest.raises(paging.RunStateLost) as lost:
+        engine.get_run("hit")
+    _assert_lost(engine, "hit", "checksum does not match", tmp_path, lost.value)
+    assert failure.message == str(lost.value) and not moments.path.exists()
+    assert engine.take_lost_runs() == ["hit"]
+    _assert_same_state(kept, engine, "other")
+
+
+def test_a_page_file_read_short_of_file_descriptors_is_retried_not_lost(tiny_llama, tmp_path, monkeypatch):
+    """A read refused for want of a resource that comes back (EMFILE) is Unavailable, naming no path; the run
+    stays paged out and its next use reads it back, bitwise."""
+    kept, engine = Engine(), Engine(page_idle_seconds=0, paging_dir=str(tmp_path))
+    _trained((kept, engine), ["r"], tiny_llama)
+    _page_out_now(engine, "r")
+    path = engine.pager.paged["r"].path
+
+    def no_descriptors(*args):
+        raise OSError(errno.EMFILE, "Too many open files", str(path))
+        yield  # a generator, as read_file is
+
+    read_file = paging.read_file
+    monkeypatch.setattr(paging, "read_file", no_descriptors)
+    with pytest.raises(Unavailable) as e:
+        engine.forward("r", _data(2))
+    assert str(tmp_path) not in e.value.message and "Too many open files" in e.value.message
+    assert "r" in engine.pager.paged and engine.take_lost_runs() == []
+    monkeypatch.setattr(paging, "read_file", read_file)
+    _assert_same_state(kept, engine, "r")
 
 
 def test_page_idle_seconds_must_be_a_finite_non_negative_number(tmp_path):

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.engine.test_paging import DAMAGES
 from tests.service.test_flow import LORA, expect, sft_batch, until
 from tests.service.test_metrics import scrape, value
 from whitney import Client
@@ -107,6 +108,39 @@ def test_a_budget_server_holds_n_runs_in_memory_with_the_numbers_of_one_without(
     assert _runs(budget.http())["max_resident_runs"] == 1
     assert train(budget) == train(make_server(data_dir=tmp_path / "reference"))
     assert value(scrape(budget.http()), "whitney_page_ins_total") >= 6
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_lost_page_file_interrupts_its_run_alone_with_a_clear_error(make_server, tmp_path, damage):
+    """Issue 31, item 9: a paged-out run whose page file had a byte flipped, was truncated or was deleted is never
+    trained on with what is left: its next operation and the one queued behind it fail with worker_lost, saying
+    the run lost its state and naming no server path; the run is interrupted; another paged-out run trains on."""
+    server = make_server(engine=EngineConfig(page_idle_seconds=IDLE))
+    http = server.http()
+    hit, other = (Client(server.url).create_session().create_run(**LORA, seed=3 + i) for i in range(2))
+    for run in (hit, other):
+        run.forward_backward(sft_batch()).result()
+        run.optim_step(learning_rate=1e-2).result()
+    until(lambda: _runs(http)["paged_out"] == 2, 30, "both runs paged out")
+    paged = server.engine.pager.paged[hit.id]
+    do, cause = DAMAGES[damage]
+    do(paged.path, paged)
+    # The optim_step first (seq_id 3 waits for 2), so it is queued behind the forward_backward that finds the loss.
+    queued = expect(http.post(f"/v1/runs/{hit.id}/optim_step", json={"seq_id": 3,
+                                                                     "adam_params": {"learning_rate": 1e-2}}), 202)
+    first = expect(http.post(f"/v1/runs/{hit.id}/forward_backward", json={"seq_id": 2, "data": sft_batch()}), 202)
+    client = Client(server.url)
+    ends = [client.operation(op["id"]).wait(60) for op in (first, queued)]
+    for ended in ends:
+        assert ended["status"] == "failed", ended
+        error = ended["error"]
+        assert error["code"] == "worker_lost" and "lost its state" in error["message"], error
+        assert str(server.config.data_dir) not in error["message"] and "/" not in error["message"], error
+    assert cause in ends[0]["error"]["message"], ends[0]["error"]
+    until(lambda: hit.refresh()["status"] == "interrupted", 30, "the run interrupted")
+    assert "lost its state" in hit.info["error"] and "/" not in hit.info["error"], hit.info
+    assert other.forward_backward(sft_batch()).result()["loss"] > 0
+    assert other.optim_step(learning_rate=1e-2).result()["metrics"]["step"] == 2.0
 
 
 def test_paging_flags():

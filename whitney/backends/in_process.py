@@ -232,7 +232,9 @@ class InProcessBackend(chat.TextMethods, LossMethods):
         return chat.tokenizer_files(self.tokenizer(base_model))
 
     def take_lost_runs(self) -> list[str]:
-        return []  # the engine lives and dies with this process
+        """Runs whose paged-out state could not be read back since the last call (engine/memory/paging.py);
+        the engine itself lives and dies with this process."""
+        return self.engine.take_lost_runs()
 
     def page_out_idle(self) -> int:
         return self.engine.page_out_idle()

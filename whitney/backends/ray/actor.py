@@ -17,7 +17,7 @@ from whitney.backends.in_process import InProcessBackend
 from whitney.backends.ray.calls import Call, Raised
 from whitney.engine.threads import ComputeThreads
 from whitney.errors import WhitneyError
-from whitney.protocol.backend import Failure, ModelInfo
+from whitney.protocol.backend import Failure, ModelInfo, WorkerLost
 from whitney.protocol.config import EngineConfig
 
 T = TypeVar("T")
@@ -51,10 +51,11 @@ class ModelWorker:
             self.error = Failure.of(e)
 
     def run(self, call: Call[T]) -> T | Raised:
-        """The call on this worker's backend: its answer, or the WhitneyError it raised as data."""
+        """The call on this worker's backend: its answer, or the WhitneyError it raised as data (or the
+        WorkerLost: a run whose paged-out state could not be read back)."""
         try:
             return call.on(self.backend)
-        except WhitneyError as e:
+        except (WhitneyError, WorkerLost) as e:
             return Raised(Failure.of(e))
 
     def describe(self) -> tuple[ModelInfo | Raised | None, int, str]:

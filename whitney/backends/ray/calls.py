@@ -187,6 +187,14 @@ class PageOutIdle(Call[int]):
 
 
 @dataclass(frozen=True)
+class TakeLostRuns(Call[list]):
+    """The trainer's runs whose paged-out state could not be read back since the last call."""
+
+    def on(self, backend: InProcessBackend) -> list[str]:
+        return backend.take_lost_runs()
+
+
+@dataclass(frozen=True)
 class CountResidency(Call[Residency]):
     def on(self, backend: InProcessBackend) -> Residency:
         return backend.residency()

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from whitney.backends.in_process import adapter_bytes
 from whitney.backends.ray.calls import (
     Call, ComputeLogprobs, CountResidency, CreateRun, DeleteRun, LoadState, OptimSteps, PageOutIdle, RunBatch, Save,
-    SettleGradients, TokenizerFiles, Validate)
+    SettleGradients, TakeLostRuns, TokenizerFiles, Validate)
 from whitney.backends.ray.placement import Placement
 from whitney.backends.ray.sampling import Sampling
 from whitney.backends.ray.supervisor import Supervisor
@@ -59,6 +59,7 @@ class RayBackend(chat.TextMethods, LossMethods):
         self.supervisor = Supervisor(config, placements, address)  # every worker started, each model loaded
         self._sampling = Sampling(self.supervisor)
         self._next_page_sweep = 0.0  # page_out_idle asks the trainers at most once a second
+        self._next_lost_check = 0.0  # take_lost_runs too, for runs whose paged-out state was lost
         self._tokenizers: dict[str, Any] = {}  # model -> its tokenizer, fetched once from its trainer
         self._tokenizer_lock = threading.Lock()
 
@@ -179,7 +180,15 @@ class RayBackend(chat.TextMethods, LossMethods):
     # ---- Housekeeping -------------------------------------------------------------------------
 
     def take_lost_runs(self) -> list[str]:
-        return self.supervisor.take_lost_runs()
+        """Runs lost with a trainer that died (the supervisor's), and runs a trainer lost itself: their
+        paged-out state could not be read back (engine/memory/paging.py; asked at most once a second, and only
+        when runs may be paged out)."""
+        lost = self.supervisor.take_lost_runs()
+        paging = self.config.page_idle_seconds is not None or self.config.max_resident_runs is not None
+        if paging and time.monotonic() >= self._next_lost_check:
+            self._next_lost_check = time.monotonic() + 1.0
+            lost += [run_id for runs in self.supervisor.each_trainer(TakeLostRuns()) for run_id in runs]
+        return lost
 
     def page_out_idle(self) -> int:
         """Every trainer pages out its own idle runs (engine/memory/paging.py); asked at most once a second."""

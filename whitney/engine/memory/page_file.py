@@ -5,6 +5,12 @@ with a few `writev` calls; what each one is stays in memory (`PageEntry`s, kept 
 for every file of the same layout), so the file needs no header. A paged-out run has two: its adapter with
 the rest, and its AdamW moments.
 
+Integrity: a checksum of a file's tensor bytes (in file order, padding left out) is taken while it is written
+and kept in memory with its entries; reading it back checks the bytes it read against it, and that none is
+missing, before any tensor read is used (`read_file`'s caller uses none until the last one is read): a file
+damaged, truncated or removed is `PageFileLost`, never numbers from damaged bytes. The checksum's cost:
+docs/BENCHMARKS.md's notes.
+
 Reading back: the tensors of one block (the adapter, each AdamW moment, the gradients, one stage, one
 version: tensors that are dropped together) are read with one `readinto` into memory of their own and each
 tensor is built over its bytes (`torch.frombuffer`, then `set_` to its shape and strides: a leaf, not a
@@ -22,6 +28,7 @@ import mmap
 import os
 import threading
 import weakref
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +42,28 @@ _HUGE_BLOCK = 2 * 2**20  # blocks of at least this many bytes get memory of thei
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 _FLUSH_BYTES = 64 * 2**20  # a page-out writes what it has gathered at this size (bounds copies off a GPU)
 _ZEROS = bytes(_ALIGN)
+
+
+class _checksum:
+    """A CRC-32 of a page file's bytes, taken piece by piece (`update(buffer)`, then `digest()`): it catches any
+    burst of errors up to 32 bits and a byte left out, at about 2.6x the speed of a SHA-256 here (which guards
+    against tampering, not needed for a file only this process writes: docs/BENCHMARKS.md's notes)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)  # releases the GIL over large buffers
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(4, "little")
+
+
+class PageFileLost(Exception):
+    """A page file could not be read back whole and as written: missing, truncated, or its bytes differ from
+    those written (its checksum). The message says which, and names no path."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +97,8 @@ class PagedMoments:
     step: int
     nbytes: int
     reader: Callable[[PagedMoments, torch.device], OptimizerState]
+    digest: bytes  # the checksum of its tensors' bytes (`write_file`)
+    run_id: str
 
     def read(self, device: torch.device) -> OptimizerState:
         return self.reader(self, device)
@@ -92,11 +123,11 @@ def _shared(entries: list[PageEntry]) -> Layout:
     return layout
 
 
-def write_file(path: Path, groups) -> tuple[Layout, int]:
+def write_file(path: Path, groups) -> tuple[Layout, int, bytes]:
     """Write the tensors of `groups` ((kind, group, (name, tensor) pairs) each) to a new file at `path`, each at
-    a multiple of _ALIGN, with a few writevs; (what is where, shared with every equal file's; their bytes). No
-    file is left if it fails."""
-    entries, total = [], 0
+    a multiple of _ALIGN, with a few writevs; (what is where, shared with every equal file's; their bytes; the
+    checksum of their bytes, which `read_file` checks). No file is left if it fails."""
+    entries, total, checksum = [], 0, _checksum()
     try:
         with open(path, "wb", buffering=0) as f:
             pending, pending_bytes, offset = [], 0, 0  # buffers gathered for the next writev
@@ -113,7 +144,9 @@ def write_file(path: Path, groups) -> tuple[Layout, int]:
                         offset += pad
                     entries.append(PageEntry(kind, group, name, tuple(t.shape), t.stride(), t.dtype,
                                           requires_grad, nbytes, offset))
-                    pending.append(flat.view(torch.uint8).numpy())
+                    data = flat.view(torch.uint8).numpy()  # [nbytes]
+                    checksum.update(data)
+                    pending.append(data)
                     offset, pending_bytes, total = offset + nbytes, pending_bytes + nbytes, total + nbytes
                     if pending_bytes >= _FLUSH_BYTES or len(pending) >= _IOV_MAX:
                         _write(f, pending)
@@ -122,15 +155,20 @@ def write_file(path: Path, groups) -> tuple[Layout, int]:
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    return _shared(entries), total
+    return _shared(entries), total, checksum.digest()
 
 
-def read_file(path: Path, entries: list[PageEntry], device: torch.device, what: str):
+def read_file(path: Path, entries: list[PageEntry], device: torch.device, digest: bytes):
     """Each entry's tensor (on `device`, its requires_grad as it was) with its entry, read from the file at
-    `path`, which is deleted once read."""
-    f = open(path, "rb", buffering=0)
+    `path`, which is deleted once read. The bytes are checked against `digest` (`write_file`'s) after the last
+    tensor and before this generator ends: a caller uses none of the tensors until it has ended, and a file
+    missing, truncated or damaged raises `PageFileLost` (an OSError other than a missing file is raised as is)."""
     try:
-        for t, e in _read_blocks(f, entries, what):
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise PageFileLost("its page file is missing") from None
+    try:
+        for t, e in _read_blocks(f, entries, digest):
             yield t.to(device).requires_grad_(e.requires_grad), e
     except BaseException:
         f.close()
@@ -159,9 +197,11 @@ def _write(f, buffers: list) -> None:
             views[i] = views[i][written:]
 
 
-def _read_blocks(f, entries: list[PageEntry], what: str):
+def _read_blocks(f, entries: list[PageEntry], digest: bytes):
     """Each entry's tensor (on the CPU) with its entry, in order, read from file f one block at a time: the
-    consecutive entries of one kind and group are dropped together, so they share memory of their own."""
+    consecutive entries of one kind and group are dropped together, so they share memory of their own. After
+    the last one, the checksum of the bytes read is compared with `digest` (PageFileLost if they differ)."""
+    checksum = _checksum()
     for _, same in itertools.groupby(entries, key=lambda e: (e.kind, e.group)):
         block = list(same)
         first, last = block[0].offset, block[-1].offset + block[-1].nbytes
@@ -171,10 +211,14 @@ def _read_blocks(f, entries: list[PageEntry], what: str):
         while done < len(view):  # one readinto, more only past the 2 GB a Linux read returns at most
             n = f.readinto(view[done:])
             if not n:
-                raise RuntimeError(f"{what} is truncated")
+                raise PageFileLost("its page file is truncated")
             done += n
         for e in block:
+            checksum.update(view[e.offset - first:e.offset - first + e.nbytes])
+        for e in block:
             yield _tensor_over(memory, e.offset - first, e), e
+    if checksum.digest() != digest:
+        raise PageFileLost("its page file's bytes differ from those written (its checksum does not match)")
 
 
 def _fresh_memory(nbytes: int):

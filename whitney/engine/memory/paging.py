@@ -13,6 +13,14 @@ and `requires_grad` come back as they were, so every later number is the same.
 
 The files' format and how they are written and read: engine/page_file.py.
 
+A run whose state cannot be read back whole and as written (its file missing, truncated, or its bytes not
+those written: page_file.py checks a checksum taken at page-out before any tensor is used) is lost, as with a
+worker that died: the use fails with `RunStateLost` (a `WorkerLost`; its message names the run and what
+happened, never a path), the run is forgotten (its files removed, its memory given back), its later uses fail
+with the same error, and `take_lost` reports it once (the backend's `take_lost_runs`: the scheduler interrupts
+it and fails its queued operations). Other runs are untouched. A read refused for want of a resource that comes
+back (file descriptors, memory) is `Unavailable` instead, the run kept paged out.
+
 Who pages out: the scheduler's worker thread, the one that owns the engine, calls `Engine.page_out_idle`
 between engine calls (through `Backend.page_out_idle`); it is a clock comparison when nothing is due.
 A run with sampling requests in flight on its versions stays (a request holds its adapter). The engine's
@@ -40,6 +48,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -54,11 +63,12 @@ from pathlib import Path
 import torch
 
 from whitney.engine.families.lora import Adapter
-from whitney.engine.memory.page_file import Layout, PagedMoments, read_file, write_file
+from whitney.engine.memory.page_file import Layout, PagedMoments, PageFileLost, read_file, write_file
 from whitney.engine.sampling.rows import SampleRequest
 from whitney.engine.training.optim import OptimizerState
 from whitney.engine.training.run import Run
-from whitney.errors import InvalidInput
+from whitney.errors import InvalidInput, Unavailable
+from whitney.protocol.backend import WorkerLost
 from whitney.protocol.config import check_optional_count
 from whitney.protocol.training import LoraConfig
 
@@ -82,6 +92,15 @@ def release_memory() -> None:
     """Give memory freed by dropped tensors back to the system (glibc on Linux; elsewhere a no-op)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+# A read that fails with one of these may succeed later: the run stays paged out (Unavailable), not lost.
+_TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR}
+
+
+class RunStateLost(WorkerLost):
+    """A paged-out run's state could not be read back (its page file missing, truncated or damaged): it is
+    gone, as with a worker that died. The message names the run and the cause, never a server path."""
 
 
 def check_page_idle_seconds(value: float | None) -> None:
@@ -120,6 +139,7 @@ class PagedRun:
     optimizer: OptimizerState | PagedMoments  # AdamW's state: in memory when it has no moments yet
     nbytes: int  # its files' (adapter and the rest, and moments)
     written: bool = False  # its files are written and its state dropped from memory
+    digest: bytes = b""  # the checksum of its file's tensor bytes (page_file.py), set once written
 
 
 class Pager:
@@ -140,6 +160,8 @@ class Pager:
         self.histograms = {kind: [0] * len(_BUCKET_NAMES) for kind in _COUNTERS}  # counts per bucket (not cumulative)
         self.holds: list[tuple[str, SampleRequest]] = []  # sampling requests on runs' versions, not yet ended
         self.leaving: dict[str, Future] = {}  # run id -> its page-out's write, until `collect` finishes it
+        self.lost: dict[str, str] = {}  # run id -> why its state is gone (its uses fail with it until deleted)
+        self._newly_lost: list[str] = []  # lost since the last `take_lost`
         self._writer: ThreadPoolExecutor | None = None  # the thread that writes page files, made at the first
         self._dir: Path | None = None  # this engine's own directory, made at its first page-out
         self._files = 0
@@ -210,6 +232,7 @@ class Pager:
     def forget(self, run_id: str) -> None:
         """The run is gone: its files too."""
         self.collect(run_id)
+        self.lost.pop(run_id, None)
         self.last_used.pop(run_id, None)
         paged = self.paged.pop(run_id, None)
         if paged is not None:
@@ -297,16 +320,17 @@ class Pager:
                   *(("version", str(v), a.named_parameters()) for v, a in leaving.versions.items())]
         optimizer = leaving.optimizer  # in memory, or still in its own file (PagedMoments)
         try:
-            paged.entries, total = write_file(paged.path, groups)
+            paged.entries, total, paged.digest = write_file(paged.path, groups)
             if isinstance(optimizer, OptimizerState) and optimizer.exp_avg:
                 moments_path = paged.path.with_suffix(".moments.bin")
                 try:
-                    entries, nbytes = write_file(moments_path, [("exp_avg", "", optimizer.exp_avg.items()),
-                                                                ("exp_avg_sq", "", optimizer.exp_avg_sq.items())])
+                    entries, nbytes, digest = write_file(moments_path, [
+                        ("exp_avg", "", optimizer.exp_avg.items()), ("exp_avg_sq", "", optimizer.exp_avg_sq.items())])
                 except BaseException:
                     paged.path.unlink(missing_ok=True)
                     raise
-                optimizer = PagedMoments(moments_path, entries, optimizer.step, nbytes, self.read_moments)
+                optimizer = PagedMoments(moments_path, entries, optimizer.step, nbytes, self.read_moments, digest,
+                                         run_id)
         except Exception as e:  # a full or unwritable disk above all; whatever it is, the run keeps its state
             log.warning("could not page out run %s: %s", run_id, e, exc_info=not isinstance(e, OSError))
             return leaving
@@ -353,14 +377,15 @@ class Pager:
         B: dict[str, dict[str, torch.Tensor]] = {"": {}}
         grads: dict[str, torch.Tensor] = {}
         staged: dict[str, dict[str, torch.Tensor]] = {}
-        for t, e in read_file(paged.path, paged.entries, run.base.device, f"page file of run {run.run_id!r}"):
-            if e.kind in ("adapter", "version"):
-                module, ab = e.name.rsplit(".lora_", 1)
-                (A if ab == "A" else B).setdefault(e.group, {})[module] = t
-            elif e.kind == "grads":
-                grads[e.name] = t
-            else:
-                staged.setdefault(e.group, {})[e.name] = t
+        with self._reading(run.run_id, "page file"):  # every tensor read and checked before any is used
+            for t, e in read_file(paged.path, paged.entries, run.base.device, paged.digest):
+                if e.kind in ("adapter", "version"):
+                    module, ab = e.name.rsplit(".lora_", 1)
+                    (A if ab == "A" else B).setdefault(e.group, {})[module] = t
+                elif e.kind == "grads":
+                    grads[e.name] = t
+                else:
+                    staged.setdefault(e.group, {})[e.name] = t
         run.adapter = Adapter(paged.lora, A[""], B[""])
         run.optimizer_state = paged.optimizer
         run.grads, run.staged = grads, staged
@@ -373,10 +398,43 @@ class Pager:
         """AdamW's state of a paged-in run, read back from its own file (then deleted)."""
         start = time.perf_counter()
         optimizer = OptimizerState(step=moments.step)
-        for t, e in read_file(moments.path, moments.entries, device, f"moments file {moments.path}"):
-            getattr(optimizer, e.kind)[e.name] = t
+        with self._reading(moments.run_id, "AdamW moments file"):
+            for t, e in read_file(moments.path, moments.entries, device, moments.digest):
+                getattr(optimizer, e.kind)[e.name] = t
         self._timed("moments", start, f"read AdamW moments: {moments.nbytes / 2**20:.1f} MB")
         return optimizer
+
+    @contextlib.contextmanager
+    def _reading(self, run_id: str, what: str):
+        """Around reading one of the run's files: a file that cannot be read back as written loses the run
+        (RunStateLost); a read short of a resource that comes back is Unavailable (the run stays paged out)."""
+        try:
+            yield
+        except (PageFileLost, OSError) as e:
+            if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+                log.warning("could not read the %s of run %s now: %s", what, run_id, e)
+                raise Unavailable(f"run {run_id!r} is paged out and cannot be read back in right now "
+                                  f"({e.strerror}); try again shortly", field="run_id") from None
+            log.error("run %s lost its paged-out state: its %s could not be read back: %s", run_id, what, e)
+            raise self._lose(run_id, str(e) if isinstance(e, PageFileLost)
+                             else f"reading its {what} failed: {e.strerror or type(e).__name__}") from None
+
+    def _lose(self, run_id: str, cause: str) -> RunStateLost:
+        """The run's state is gone: forget the run (files and memory), remember why, report it once."""
+        message = (f"run {run_id!r} lost its state: it was paged out to disk and could not be read back ({cause}); "
+                   "its adapter, gradients and optimizer state are gone, so the run is interrupted: resume from its "
+                   "newest saved state with a new run")
+        self.forget(run_id)
+        self.lost[run_id] = message  # before the run leaves `runs`: another thread's `validate` sees one or the other
+        self.runs.pop(run_id, None)
+        self._newly_lost.append(run_id)
+        release_memory()
+        return RunStateLost(message)
+
+    def take_lost(self) -> list[str]:
+        """The runs lost since the last call (`Housekeeping.take_lost_runs`)."""
+        lost, self._newly_lost = self._newly_lost, []
+        return lost
 
     def _timed(self, kind: str, start: float, what: str) -> None:
         seconds = time.perf_counter() - start

@@ -20,12 +20,12 @@ from whitney.engine.families.lora import Adapter, copy_adapter, init_adapter
 from whitney.engine.families.model import COMPUTE_DTYPES, load_base_model, resolve_compute_dtype, resolve_device
 from whitney.engine.losses.builtin import LOSSES
 from whitney.engine.losses.datum import prepare_datum
-from whitney.engine.memory.paging import Pager, release_memory
+from whitney.engine.memory.paging import Pager, RunStateLost, release_memory
 from whitney.engine.sampling.rows import SampleRequest
 from whitney.engine.sampling.sampler import Sampler
 from whitney.engine.training import checkpoint as ckpt
 from whitney.engine.training.batch import Prepared, add_gradient, compute_pass
-from whitney.engine.training.optim import OptimizerState, optim_step, optim_steps
+from whitney.engine.training.optim import NonFiniteGradient, OptimizerState, optim_step, optim_steps
 from whitney.engine.training.passes import activation_bytes_per_token, default_pass_mib, plan_passes
 from whitney.engine.training.requests import check_request
 from whitney.engine.training.run import Run
@@ -80,7 +80,7 @@ class Engine:
 
     def create_run(self, run_id: str, base_model: str = DEFAULT_MODEL, lora: LoraConfig | None = None) -> Run:
         """A new run whose adapter equals the base model (B = 0). Costs its adapter's memory only."""
-        if run_id in self.runs:
+        if run_id in self.runs or run_id in self.pager.lost:  # a lost run's id is taken until it is deleted
             raise Conflict(f"run {run_id!r} already exists", field="run_id")
         base = self.load_model(base_model)
         adapter = init_adapter(base, lora or LoraConfig(), self.max_lora_rank)
@@ -96,9 +96,12 @@ class Engine:
         return run
 
     def _find_run(self, run_id: str) -> Run:
-        if run_id not in self.runs:
+        if run_id in self.pager.lost:  # its paged-out state could not be read back (paging.py)
+            raise RunStateLost(self.pager.lost[run_id])
+        run = self.runs.get(run_id)
+        if run is None:
             raise NotFound(f"run {run_id!r} does not exist", field="run_id")
-        return self.runs[run_id]
+        return run
 
     def delete_run(self, run_id: str) -> None:
         """Forget a run (and its page file) and give its memory back (glibc keeps freed MBs until malloc_trim)."""
@@ -109,6 +112,11 @@ class Engine:
     def page_out_idle(self) -> int:
         """Page out the runs untouched for `page_idle_seconds` (paging.py); how many."""
         return self.pager.page_out_idle()
+
+    def take_lost_runs(self) -> list[str]:
+        """Runs lost since the last call: their paged-out state could not be read back (paging.py). Each use
+        of one fails with RunStateLost until it is deleted."""
+        return self.pager.take_lost()
 
     def residency(self) -> dict:
         """Runs in memory and paged out; page-outs and page-ins so far and their seconds (any thread)."""
@@ -123,7 +131,10 @@ class Engine:
     def discard_gradients(self, run_id: str, stage: str) -> None:
         """Forget a staged operation's gradient (it failed or was cancelled part-way)."""
         if run_id in self.runs:
-            self.get_run(run_id).staged.pop(stage, None)
+            try:
+                self.get_run(run_id).staged.pop(stage, None)
+            except RunStateLost:  # its state, the staged gradient with it, could not be read back: nothing to drop
+                pass
 
     # ---- forward and forward_backward ----------------------------------------------------
 
@@ -139,11 +150,12 @@ class Engine:
 
     def _one(self, request: ForwardRequest, backward: bool) -> ForwardResult:
         (result,) = self.run_batch([request], backward)
-        if isinstance(result, WhitneyError):
+        if isinstance(result, (WhitneyError, RunStateLost)):
             raise result
         return result
 
-    def run_batch(self, requests: list[ForwardRequest], backward: bool) -> list[ForwardResult | WhitneyError]:
+    def run_batch(self, requests: list[ForwardRequest], backward: bool
+                  ) -> list[ForwardResult | WhitneyError | RunStateLost]:
         """Run several requests (of any runs) together. Invalid requests get their error; the rest run.
 
         The results of each request equal running it alone. Under a residency budget (paging.py) the runs go a
@@ -163,7 +175,7 @@ class Engine:
         for i, request in enumerate(requests):
             try:
                 prepared = self._prepare(request, backward)
-            except WhitneyError as e:
+            except (WhitneyError, RunStateLost) as e:  # this request alone: the others run
                 out[i] = e
                 continue
             by_base.setdefault((prepared.run.base if prepared.run
@@ -190,6 +202,8 @@ class Engine:
     def validate(self, request: ForwardRequest, backward: bool) -> int:
         """Check a request without running it (safe from another thread: it reads the run's base model only,
         never pages the run in); return its token count."""
+        if request.run_id is not None and request.run_id in self.pager.lost:  # its paged-out state (paging.py)
+            raise Conflict(self.pager.lost[request.run_id], field="run_id")
         base = (self._find_run(request.run_id).base if request.run_id is not None
                 else self.load_model(request.base_model or DEFAULT_MODEL))
         checked = check_request(request, backward, base.config.vocab_size, base.config.max_context,
@@ -214,16 +228,21 @@ class Engine:
     # ---- optimizer -----------------------------------------------------------------------
 
     def optim_step(self, run_id: str, params: AdamParams | dict | None = None) -> dict[str, float]:
-        """One AdamW step on the run's adapter from its accumulated gradients, which are then cleared."""
+        """One AdamW step on the run's adapter from its accumulated gradients, which are then cleared. A gradient
+        that is not finite is refused (NonFiniteGradient: no step, the gradient dropped; optim.py)."""
         run = self.get_run(run_id)
         hp = params if isinstance(params, AdamParams) else AdamParams.from_dict(params or {})
         hp.validate()
-        return optim_step(run.weights(), run.grads, run.optimizer, hp)
+        try:
+            return optim_step(run.weights(), run.grads, run.optimizer, hp)
+        except NonFiniteGradient as e:
+            raise e.of_run(run_id) from None
 
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | Exception]:
         """The runs' optim_steps (each run at most once) in one multi-tensor pass (`optim.optim_steps`), each
         bitwise the run's own (a budget's worth of runs at a time under a residency budget); a refused one
-        (unknown run, bad parameters) gets its error alone."""
+        (unknown run, bad parameters, a gradient that is not finite, a run whose paged-out state was lost) gets
+        its error alone."""
         out: list = [None] * len(steps)
         own_step = type(self).optim_step is not Engine.optim_step  # a subclass's own (sharded: broadcasts first)
         for part in self.pager.budget_parts([run_id for run_id, _ in steps]):
@@ -239,14 +258,15 @@ class Engine:
                             raise Conflict(f"run {run_id!r} has two optim_steps in one call", field="run_id")
                         run = self.get_run(run_id)  # pages the run in (paging.py)
                         params.validate()
+                        step = (run.weights(), run.grads, run.optimizer, params)  # reads paged-out moments
                     except Exception as e:
                         out[i] = e
                         continue
                     seen.add(run_id)
-                    batch.append((run.weights(), run.grads, run.optimizer, params))
+                    batch.append(step)
                     where.append(i)
                 for i, metrics in zip(where, optim_steps(batch)):
-                    out[i] = metrics
+                    out[i] = metrics.of_run(steps[i][0]) if isinstance(metrics, NonFiniteGradient) else metrics
         return out
 
     # ---- log-probs of given sequences ----------------------------------------------------

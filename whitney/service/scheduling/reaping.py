@@ -1,7 +1,7 @@
 """What ends without a client asking, checked on the training thread between iterations: runs the backend
-lost with a dying worker (interrupted, their waiting operations failed with `worker_lost`), sessions without a
-heartbeat for `session_timeout` seconds (expired, their open runs cancelled), and checkpoints past their TTL
-that no one is reading (deleted: store/packages.py `reap`)."""
+lost (with a dying worker, or whose paged-out state could not be read back: interrupted, their waiting operations
+failed with `worker_lost`), sessions without a heartbeat for `session_timeout` seconds (expired, their open runs
+cancelled), and checkpoints past their TTL that no one is reading (deleted: store/packages.py `reap`)."""
 
 from __future__ import annotations
 
@@ -33,15 +33,18 @@ class Reaper:
         self._last_expiry_check = 0.0
 
     def interrupt_lost_runs(self) -> bool:
-        """Runs whose worker died (their adapter and optimizer state with it): each is interrupted, and its
-        operation part-way through micro-batches and its queued ones fail with worker_lost."""
+        """Runs whose state the backend lost (their worker died, or their paged-out state could not be read
+        back): each is interrupted, and its operation part-way through micro-batches and its queued ones fail
+        with worker_lost."""
         lost = self.backend.take_lost_runs()
         for run_id in lost:
-            message = (f"run {run_id} was lost with its worker (the process died); it is interrupted: resume from "
-                       "its newest saved state with a new run")
+            message = (f"run {run_id} lost its state (its worker died, or its state paged out to disk could not be "
+                       "read back); it is interrupted: resume from its newest saved state with a new run")
+            # Interrupted first: the store then refuses the run new operations (409), so none submitted while
+            # its queued ones end is left queued behind them.
+            self.store.set_run_status(run_id, RunStatus.INTERRUPTED, error=message)
             self.queues.end(run_id, OperationStatus.FAILED,
                             {"code": "worker_lost", "message": message, "category": FailureCategory.SERVER})
-            self.store.set_run_status(run_id, RunStatus.INTERRUPTED, error=message)
             log.error(message)
         return bool(lost)
 
