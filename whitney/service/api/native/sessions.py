@@ -8,7 +8,9 @@ import contextlib
 import time
 from typing import Annotated
 
+import anyio
 from fastapi import APIRouter, Header, Query, Request
+from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict, InvalidInput, NotFound
 from whitney.protocol.backend import PackageKind
@@ -139,12 +141,13 @@ async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.Ru
     """Create a run (adapter in the engine first, then the row); shared with the Tinker routes. It may resume
     from the caller's checkpoint, a public one, or one of `also` (a second key the caller presented)."""
     check_metadata(st.limits, body.user_metadata)
-    session = st.store.get_session(session_id, who)
+    # Every store call on the thread pool: this route is async (it awaits the engine's open_run).
+    session = await run_in_threadpool(st.store.get_session, session_id, who)
     if session.status != SessionStatus.ACTIVE:
         raise Conflict(f"session {session_id!r} is {session.status}", field="session_id")
     base_model, lora, resume_path = body.base_model, body.lora.model_dump(), None
     if body.resume_from is not None:
-        package = packages.readable(st.store, body.resume_from.checkpoint_id, who, also)
+        package = await run_in_threadpool(packages.readable, st.store, body.resume_from.checkpoint_id, who, also)
         if package.kind not in (PackageKind.STATE, PackageKind.SAMPLER):
             raise InvalidInput(f"checkpoint {package.id} is a {package.kind} export, not a saved state",
                                field="resume_from.checkpoint_id")
@@ -153,21 +156,37 @@ async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.Ru
                                field="resume_from.with_optimizer")
         base_model = base_model or package.base_model
         if "lora" not in body.model_fields_set:  # the checkpoint's own LoRA geometry
-            lora = st.store.get_run(package.run_id).lora
+            lora = (await run_in_threadpool(st.store.get_run, package.run_id)).lora
         resume_path = package.path
     base_model = base_model or st.models[0]
     if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
-    st.quotas.check_run(who, base_model, lora)  # the key's live runs and their adapters' memory
+    await run_in_threadpool(st.quotas.check_run, who, base_model, lora)  # the key's live runs, their adapters' memory
     run_id = run_id or new_id("run")
     with_optimizer = bool(body.resume_from and body.resume_from.with_optimizer)
     # The engine validates the LoRA config against the model; only then is the run recorded. The checkpoint counts
     # as read while it loads, so the TTL reaper (packages.py) does not delete it under the load.
-    with packages.Reading(st.store, resume_path) if resume_path else contextlib.nullcontext():
+    async with _reading(st, resume_path):
         await asyncio.wrap_future(st.scheduler.open_run(run_id, base_model, lora, resume_path, with_optimizer))
-    return st.store.create_run(session_id, who, base_model, lora,
-                               body.resume_from.checkpoint_id if body.resume_from else None,
-                               with_optimizer, body.user_metadata, run_id=run_id)
+    return await run_in_threadpool(st.store.create_run, session_id, who, base_model, lora,
+                                   body.resume_from.checkpoint_id if body.resume_from else None,
+                                   with_optimizer, body.user_metadata, run_id=run_id)
+
+
+@contextlib.asynccontextmanager
+async def _reading(st: ServiceState, path: str | None):
+    """packages.Reading for an async route: the package at `path` (None: none) counts as read meanwhile, its store
+    writes on the thread pool."""
+    if path is None:
+        yield
+        return
+    if not await run_in_threadpool(packages.acquire, st.store, path):
+        raise packages.gone(path)
+    try:
+        yield
+    finally:
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(packages.release, st.store, path)
 
 
 @router.get("/sessions/{session_id}/runs", response_model=list[schemas.Run])
@@ -184,11 +203,15 @@ def get_run(run_id: str, st: State, who: Owner):
 @router.post("/runs/{run_id}/finish", response_model=schemas.Run)
 async def finish_run(run_id: str, st: State, who: Owner):
     """Run what is queued, then mark the run finished (finished at once when nothing is queued)."""
+    await run_in_threadpool(_finishing, st, who, run_id)  # store calls: off the event loop
+    await asyncio.wrap_future(st.scheduler.finish_run(run_id))
+    return await run_in_threadpool(st.store.get_run, run_id, who)
+
+
+def _finishing(st: ServiceState, who: str, run_id: str) -> None:
     st.store.get_run(run_id, who)
     if not st.store.set_run_status(run_id, RunStatus.FINISHING):  # only an active run
         raise Conflict(f"run {run_id!r} is {st.store.get_run(run_id).status}", field="run_id")
-    await asyncio.wrap_future(st.scheduler.finish_run(run_id))
-    return st.store.get_run(run_id, who)
 
 
 @router.post("/runs/{run_id}/cancel", response_model=schemas.Run)
