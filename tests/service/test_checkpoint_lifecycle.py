@@ -380,3 +380,76 @@ def test_sessions_labels_filters_trace_audit_and_whoami(make_server):
     assert [o["operation_id"] for o in audit] == [o["operation_id"] for o in ops]
     assert expect(http.get("/v1/whoami"), 200) == {"key_id": row.id, "name": "alice",
                                                     "owner": digest_of(key)[:32]}
+
+
+# ---- nested free JSON (issue 31, item 8) ---------------------------------------------------------------
+
+
+def nested(depth: int) -> dict:
+    """{"a": {"a": ... 1}}: `depth` objects inside one another."""
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def refused_as_too_deep(response: httpx.Response, field: str) -> None:
+    body = expect(response, 400)
+    assert body["code"] == "invalid_input" and body["field"] == field and "32" in body["message"], body
+
+
+def test_free_json_nested_too_deep_is_refused_at_the_edge_and_nothing_is_stored(make_server, tmp_path):
+    server = make_server(api_keys=["k1"])
+    http = server.http("k1")
+    deep = nested(300)  # 600 bytes: small, but no response could show it (pydantic's serialiser stops at 255)
+    refused_as_too_deep(http.post("/v1/sessions", json={"user_metadata": deep}), "user_metadata")
+    assert expect(http.get("/v1/sessions"), 200) == []
+    tinker = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": deep}, headers={"X-API-Key": "k1"})
+    refused_as_too_deep(tinker, "user_metadata")
+    sid = expect(http.post("/v1/sessions", json={"user_metadata": nested(32)}), 201)["id"]  # the limit itself
+    refused_as_too_deep(http.post(f"/v1/sessions/{sid}/runs", json={"user_metadata": deep}), "user_metadata")
+    rid = expect(http.post(f"/v1/sessions/{sid}/runs", json={"lora": {"rank": 4}}), 201)["id"]
+    refused_as_too_deep(http.post(f"/v1/runs/{rid}/forward", json={**fb_body(0), "loss_config": deep}),
+                        "loss_config")
+    sample = {"prompt": "p", "completion": "c", "metadata": deep}
+    refused_as_too_deep(http.post(f"/v1/runs/{rid}/samples", json={"samples": [sample]}), "samples.0.metadata")
+    store = server.app.state.whitney.store
+    package = new_package(store, tmp_path, owner=store.get_run(rid).owner)
+    refused_as_too_deep(http.patch(f"/v1/checkpoints/{package.id}", json={"user_metadata": deep}), "user_metadata")
+    assert expect(http.get(f"/v1/checkpoints/{package.id}"), 200)["user_metadata"] is None
+    assert len(expect(http.get(f"/v1/sessions/{sid}/runs"), 200)) == 1
+
+
+def test_a_stored_row_nested_too_deep_breaks_no_read_of_another_key(make_server, tmp_path):
+    """Rows written before the edge checked nesting (or straight into the database): every read still answers,
+    the value cut at 32 levels; one json.loads cannot even parse reads as a marker."""
+    import json
+
+    server = make_server(api_keys=["k1", "k2"])
+    k1, k2 = server.http("k1"), server.http("k2")
+    store = server.app.state.whitney.store
+    sid = expect(k1.post("/v1/sessions", json={}), 201)["id"]
+    package = new_package(store, tmp_path, owner=_owner(store, sid))
+    expect(k1.post(f"/v1/checkpoints/{package.id}/publish"), 200)
+    with store.tx() as db:  # as the old server stored them
+        db.execute(text("UPDATE model_packages SET user_metadata = :m WHERE id = :i"),
+                   {"m": json.dumps(nested(300)), "i": package.id})
+        db.execute(text("UPDATE sessions SET user_metadata = :m WHERE id = :i"),
+                   {"m": "[" * 5_000 + "]" * 5_000, "i": sid})
+    listed = expect(k2.get("/v1/checkpoints", params={"public": True}), 200)
+    from whitney.service.store import json_values
+
+    assert [p["id"] for p in listed] == [package.id]
+    shown, depth = listed[0]["user_metadata"], 1
+    while isinstance(shown, dict):
+        shown, depth = shown["a"], depth + 1
+    assert shown == json_values.TOO_DEEP and depth == json_values.MAX_DEPTH + 1
+    assert expect(k1.get(f"/v1/checkpoints/{package.id}"), 200)["id"] == package.id
+    sessions = expect(k1.get("/v1/sessions"), 200)
+    assert sessions[0]["user_metadata"] == json_values.UNREADABLE
+    expect(k1.get(f"/v1/sessions/{sid}"), 200)
+
+
+def _owner(store: Store, session_id: str) -> str:
+    with store.tx() as db:
+        return db.execute(text("SELECT owner FROM sessions WHERE id = :i"), {"i": session_id}).scalar_one()

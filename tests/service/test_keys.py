@@ -157,6 +157,62 @@ def test_tokens_per_minute(make_server, monkeypatch):
             succeeded(http, op)
 
 
+def test_validation_counts_against_the_keys_tokens_per_minute(make_server):
+    """Issue 31, item 3: a forward's validation (a custom loss's graph runs then) is the key's work: its tokens
+    count when validation starts, passed or refused, and the operation it becomes does not count them twice."""
+    tokens = sum(len(d["input"]["token_ids"]) for d in sft_batch())
+    server = make_server(api_keys=[KEY], key_limits=KeyLimits(max_tokens_per_minute=10 * tokens))
+    with server.http(KEY) as http:
+        run = new_run(http, session(http))
+        bad = sft_batch()
+        weights = bad[0]["loss_inputs"]["weights"]
+        weights["values"], weights["shape"] = weights["values"][:1], [1]  # fewer weights than target tokens: the
+        # engine's validation refuses it
+        r = http.post(f"/v1/runs/{run}/forward_backward", json={"seq_id": 0, "data": bad})
+        assert r.status_code == 400, r.text
+        assert expect(http.get("/v1/quota"), 200)["usage"]["tokens_per_minute"] == tokens, "validation went uncounted"
+        op = expect(fb(http, run, 0), 202)["id"]
+        assert expect(http.get("/v1/quota"), 200)["usage"]["tokens_per_minute"] == 2 * tokens
+        assert expect(fb(http, run, 0), 202)["id"] == op  # a retry: answered from the store, not counted again
+        assert expect(http.get("/v1/quota"), 200)["usage"]["tokens_per_minute"] == 2 * tokens
+        succeeded(http, op)
+
+
+def test_a_key_has_at_most_two_requests_validated_at_once(make_server, monkeypatch):
+    """Validation runs on request threads: one key may hold two of them at once, a third request of its own is a
+    429 (concurrent_validations), never a third thread; another key's request is validated meanwhile."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = make_server(api_keys=[KEY, "k-other"])
+    backend = server.app.state.whitney.scheduler.backend
+    entered, release, real = threading.Semaphore(0), threading.Event(), backend.validate
+
+    def held(request, backward):  # a validation that lasts until the test lets it end
+        entered.release()
+        release.wait(30)
+        return real(request, backward)
+
+    monkeypatch.setattr(backend, "validate", held)
+    with server.http(KEY) as http, server.http("k-other") as other:
+        run, theirs = new_run(http, session(http)), new_run(other, session(other))
+        clients = [server.http(KEY) for _ in range(2)]
+        with ThreadPoolExecutor(3) as pool:
+            first = [pool.submit(fb, c, run, seq) for c, seq in zip(clients, (0, 1))]
+            assert entered.acquire(timeout=30) and entered.acquire(timeout=30), "two validations began"
+            try:
+                quota_error(fb(http, run, 2), "concurrent_validations", quotas.VALIDATIONS_PER_KEY)
+                another = pool.submit(fb, other, theirs, 0)
+                assert entered.acquire(timeout=30), "another key's validation waits for nothing"
+            finally:
+                release.set()
+            for f in [*first, another]:
+                succeeded(http if f is not another else other, expect(f.result(), 202)["id"])
+        for c in clients:
+            c.close()
+        expect(fb(http, run, 2), 202)  # the slots are free again
+
+
 def test_a_keys_own_limits_override_the_servers(make_server, capsys):
     server = make_server(key_limits=KeyLimits(max_runs=1))
     more = create_key(capsys, server, "--max-runs", "3", "--name", "more")

@@ -170,14 +170,14 @@ def test_admit_runs_for_new_operations_only_and_its_refusal_stores_nothing(store
     class Refused(Exception):
         pass
 
-    def refuse():
+    def refuse(conn):
         calls.append("refuse")
         raise Refused
 
     with pytest.raises(Refused):
         store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=refuse)
     assert store.find_operation(run_id, 0) is None and store.usage("me")["operations"] == 0
-    op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=lambda: calls.append("ok"))
+    op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=lambda conn: calls.append("ok"))
     assert created and calls == ["refuse", "ok"]
     store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=refuse)  # a retry: not checked
     for run, seq in (("run-nope", 0), (run_id, 0)):  # not found; a different body: refused before the quota
@@ -221,8 +221,9 @@ def test_the_queue_count_reads_an_index_of_owner_and_status_not_the_owners_histo
 
 
 def test_many_concurrent_submissions_with_a_quota_check_that_reads_the_store(store):
-    """`admit` reads the store (as the quotas do): were a connection held across it, 40 submissions at once
-    would each hold one of the pool's 15 and wait for a second until the pool's 30 s timeout (a 500 each)."""
+    """`admit` reads the store (as the quotas do) through the connection of the transaction that inserts (its quota
+    lock held): were it to ask the pool for a second, 40 submissions at once would each hold one of the pool's 15
+    and wait for a second until the pool's 30 s timeout (a 500 each)."""
     import threading
     import time as _time
 
@@ -243,7 +244,8 @@ def test_many_concurrent_submissions_with_a_quota_check_that_reads_the_store(sto
         start.wait()
         try:
             op, created = store.submit_operation("me", run_id, 0, "forward_backward", "d",
-                                                 admit=lambda: (store.usage("me"), _time.sleep(0.1)))  # overlapping
+                                                 admit=lambda conn: (store.pending_before("me", None, None, conn),
+                                                                     _time.sleep(0.01)))
             done.append(created)
         except Exception as e:  # noqa: BLE001 (any failure is the bug)
             errors.append(repr(e))
@@ -257,19 +259,24 @@ def test_many_concurrent_submissions_with_a_quota_check_that_reads_the_store(sto
     assert most[0] == 1, "a submission asked the pool for a connection while holding one"
 
 
-def test_a_racing_duplicate_resolves_through_the_constraint(store):
-    """Another request inserts the same (run, seq_id) between this one's checks and its insert."""
+def test_a_racing_duplicate_resolves_through_the_constraint(store, monkeypatch):
+    """Another request inserts the same (run, seq_id) between this one's checks and its insert (as the transaction
+    that admits and inserts begins)."""
     run_id = new_run(store)
-    first = []
+    first, racing, quota_tx = [], [], store.quota_tx
 
-    def race(body_digest: str):
-        return lambda: first.append(store.submit_operation("me", run_id, len(first), OperationKind.FORWARD,
-                                                           body_digest)[0])
+    def raced(owner: str):
+        if racing:
+            first.append(store.submit_operation("me", run_id, len(first), OperationKind.FORWARD, racing.pop())[0])
+        return quota_tx(owner)
 
-    op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=race("d0"))
+    monkeypatch.setattr(store, "quota_tx", raced)
+    racing.append("d0")
+    op, created = store.submit_operation("me", run_id, 0, OperationKind.FORWARD, "d0", admit=lambda conn: None)
     assert not created and op.id == first[0].id
+    racing.append("other")
     with pytest.raises(Conflict):
-        store.submit_operation("me", run_id, 1, OperationKind.FORWARD, "d1", admit=race("other"))
+        store.submit_operation("me", run_id, 1, OperationKind.FORWARD, "d1", admit=lambda conn: None)
     assert len(store.list_operations(run_id)) == 2
 
 
@@ -337,3 +344,31 @@ def test_recover_after_restart(store, db_url):
         else:
             assert run.status == status and run.error is None
     assert store.usage("me") == {"sessions": len(RunStatus), "runs": [], "operations": 0}
+
+
+def test_stored_json_nested_too_deep_reads_back_cut_never_breaking_a_read(store):
+    """Issue 31, item 8: a row nested deeper than any response can show (written before the edge checked, or
+    straight into the database) reads back cut at json_values.MAX_DEPTH; one json.loads cannot parse, as a marker."""
+    import json
+
+    from whitney.service.store import json_values
+
+    deep: object = ["x]}[{\\\"", {"k": "[[[["}]  # brackets inside strings are no nesting
+    for _ in range(299):
+        deep = {"a": deep}
+    text_ = json.dumps(deep)
+    assert json_values.depth_of(deep) == 301 and json_values.text_depth_over(text_, 300)
+    assert not json_values.text_depth_over(text_, 301)
+    session = store.create_session("me", {"ok": [1, [2, {"b": "]]]]"}]]})
+    with store.tx() as db:
+        db.execute(text("UPDATE sessions SET user_metadata = :m WHERE id = :i"), {"m": text_, "i": session.id})
+    shown, depth = store.get_session(session.id, "me").user_metadata, 1
+    while isinstance(shown, dict):
+        shown, depth = shown["a"], depth + 1
+    assert shown == json_values.TOO_DEEP and depth == json_values.MAX_DEPTH + 1
+    with store.tx() as db:
+        db.execute(text("UPDATE sessions SET user_metadata = :m WHERE id = :i"),
+                   {"m": "[" * 5_000 + "]" * 5_000, "i": session.id})
+    assert store.list_sessions("me")[0].user_metadata == json_values.UNREADABLE
+    assert store.create_session("me", {"ok": [1, [2, {"b": "]]]]"}]]}).user_metadata == \
+        store.list_sessions("me")[1].user_metadata == {"ok": [1, [2, {"b": "]]]]"}]]}

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 from whitney.errors import TooLarge
+from whitney.service.store.json_values import check_json
 
 
 def _limit(default: int, help: str):
@@ -66,6 +67,8 @@ def check_operation(limits: Limits, lengths: list[int], field: str = "data") -> 
 
 
 def check_metadata(limits: Limits, metadata: dict | None, field: str = "user_metadata") -> None:
+    """A 400 for metadata nested too deep (json_values.MAX_DEPTH), a 413 for one too large, before it is stored."""
+    check_json(metadata, field)  # first: serialising a deep value would recurse
     size = len(json.dumps(metadata or {}, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace"))
     if size > limits.max_metadata_bytes:
         raise TooLarge(f"{field} is {size} bytes as JSON; the limit is {limits.max_metadata_bytes}", field=field)

@@ -4,7 +4,9 @@ The database is the truth a client sees: every poll is answered from it, so afte
 server still answers truthfully. The rules that must survive races are constraints:
   - (run_id, seq_id) is unique: a resubmitted operation resolves to the existing row (safe retries);
   - (run_id, kind, name, version) is unique for model packages: versions never collide;
-  - a status moves only as whitney.service.store.lifecycle lists, each move one conditional UPDATE.
+  - a status moves only as whitney.service.store.lifecycle lists, each move one conditional UPDATE;
+  - a quota's count and the session, run or operation it admits are one transaction under the owner's lock
+    (quota_tx), so concurrent requests, in one process or several, never pass a limit together.
 Methods return typed records (records.py); routes and the scheduler never see rows.
 """
 
@@ -16,13 +18,13 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
-from sqlalchemy import bindparam, create_engine, event, exists, func, insert, or_, select, update
+from sqlalchemy import bindparam, create_engine, delete, event, exists, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from whitney.errors import Conflict, NotFound
 from whitney.protocol.backend import PackageKind
-from whitney.service.http.text import loads as read_json
+from whitney.service.store.json_values import loads as read_json
 from whitney.service.store.lifecycle import (OPERATION_MOVES, OPERATION_PENDING, OPERATION_TERMINAL, RUN_LIVE,
                                              RUN_MOVES, RUN_OPEN, SESSION_MOVES, FailureCategory, OperationKind,
                                              OperationStatus, RunStatus, SessionStatus, sources)
@@ -40,7 +42,8 @@ class Store:
         operation that ends (the metrics)."""
         self.observer = observer
         args = {"check_same_thread": False, "timeout": 30} if url.startswith("sqlite") else {}
-        # JSON columns are read with read_json: a row stored with a lone surrogate reads back as U+FFFD.
+        # JSON columns are read with read_json: a row stored with a lone surrogate reads back as U+FFFD, one nested
+        # too deep to serialise is cut (json_values.py): no stored row breaks a read.
         self.engine = create_engine(url, connect_args=args, json_deserializer=read_json)
         if url.startswith("sqlite"):
             @event.listens_for(self.engine, "connect")
@@ -57,15 +60,54 @@ class Store:
         with self._session() as db, db.begin():
             yield db
 
+    @contextmanager
+    def quota_tx(self, owner: str):
+        """A Core transaction holding `owner`'s quota lock, so that what a quota counts and the row it admits are
+        one atomic step, across threads and across API processes on one database: SQLite, BEGIN IMMEDIATE (the
+        database's one writer, taken before the counts are read); PostgreSQL, a transaction-scoped advisory lock
+        on the owner. Every read inside must use the yielded connection (another from the pool could wait on
+        this one's lock)."""
+        with self.engine.connect() as conn:
+            if self.engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")  # the driver then starts no transaction of its own
+            self.lock_owner(conn, owner)
+            try:
+                yield conn
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+
+    def lock_owner(self, conn, owner: str) -> None:
+        """Take `owner`'s quota lock in the transaction of `conn` (a Connection or an ORM Session) until it ends:
+        PostgreSQL's advisory lock; on SQLite the transaction's first write serialises writers already."""
+        if self.engine.dialect.name == "postgresql":
+            conn.execute(_OWNER_LOCK, {"key": _lock_key(owner)})
+
+    @contextmanager
+    def _reading(self, conn=None):
+        """`conn` (one a quota_tx holds), or a connection of the pool's for this read alone."""
+        if conn is not None:
+            yield conn
+        else:
+            with self.engine.connect() as own:
+                yield own
+
     # ---- sessions ---------------------------------------------------------------------------
 
-    def create_session(self, owner: str, user_metadata: dict | None = None) -> SessionRecord:
+    def create_session(self, owner: str, user_metadata: dict | None = None,
+                       admit: Callable[[object], None] | None = None) -> SessionRecord:
+        """A new active session. `admit(conn)` (the quota check) runs in the transaction that inserts it, under
+        the owner's quota lock (quota_tx): raising refuses it and nothing is stored."""
         now = time.time()
-        row = SessionRow(id=new_id("ses"), owner=owner, status=SessionStatus.ACTIVE, created_at=now, last_heartbeat=now,
-                         user_metadata=user_metadata or {})
-        with self.tx() as db:
-            db.add(row)
-        return record(SessionRecord, row)
+        row = {"id": new_id("ses"), "owner": owner, "status": SessionStatus.ACTIVE, "created_at": now,
+               "last_heartbeat": now, "user_metadata": user_metadata or {}, "tags": None, "project_id": None,
+               "display_name": None}
+        with self.quota_tx(owner) as conn:
+            if admit is not None:
+                admit(conn)
+            conn.execute(insert(SessionRow), [row])
+        return SessionRecord(**row)
 
     def get_session(self, session_id: str, owner: str) -> SessionRecord:
         with self.tx() as db:
@@ -106,16 +148,33 @@ class Store:
     # ---- runs -------------------------------------------------------------------------------
 
     def create_run(self, session_id: str, owner: str, base_model: str, lora: dict, resume_from: str | None,
-                   resume_with_optimizer: bool, user_metadata: dict | None, run_id: str | None = None) -> RunRecord:
-        session = self.get_session(session_id, owner)
-        if session.status != SessionStatus.ACTIVE:
-            raise Conflict(f"session {session_id!r} is {session.status}", field="session_id")
-        row = RunRow(id=run_id or new_id("run"), session_id=session_id, owner=owner, base_model=base_model, lora=lora,
-                     status=RunStatus.ACTIVE, created_at=time.time(), resume_from=resume_from,
-                     resume_with_optimizer=resume_with_optimizer, user_metadata=user_metadata or {})
-        with self.tx() as db:
-            db.add(row)
-        return record(RunRecord, row)
+                   resume_with_optimizer: bool, user_metadata: dict | None, run_id: str | None = None,
+                   admit: Callable[[object], None] | None = None) -> RunRecord:
+        """A new active run of the owner's active session. `admit(conn)` (the quota check) runs in the
+        transaction that inserts it, under the owner's quota lock (quota_tx): raising refuses it, nothing stored."""
+        row = {"id": run_id or new_id("run"), "session_id": session_id, "owner": owner, "base_model": base_model,
+               "lora": lora, "status": RunStatus.ACTIVE, "created_at": time.time(), "resume_from": resume_from,
+               "resume_with_optimizer": resume_with_optimizer, "user_metadata": user_metadata or {}, "error": None}
+        with self.quota_tx(owner) as conn:
+            session = conn.execute(select(SessionRow.owner, SessionRow.status).where(
+                SessionRow.id == session_id)).first()
+            if session is None or session.owner != owner:
+                raise NotFound(f"session {session_id!r} does not exist", field="session_id")
+            if session.status != SessionStatus.ACTIVE:
+                raise Conflict(f"session {session_id!r} is {session.status}", field="session_id")
+            if admit is not None:
+                admit(conn)
+            conn.execute(insert(RunRow), [row])
+        return RunRecord(**row)
+
+    def drop_run(self, run_id: str) -> None:
+        """Remove a run recorded (and so counted against its key's quotas) before its backend opened it, when the
+        backend refused to: as if it was never made. One that already has operations is marked failed instead."""
+        try:
+            with self.tx() as db:
+                db.execute(delete(RunRow).where(RunRow.id == run_id))
+        except IntegrityError:
+            self.set_run_status(run_id, RunStatus.FAILED, "the backend could not open this run")
 
     def get_run(self, run_id: str, owner: str | None = None) -> RunRecord:
         with self.engine.connect() as conn:  # Core: every training request reads its run
@@ -149,20 +208,21 @@ class Store:
     # ---- operations -------------------------------------------------------------------------
 
     def submit_operation(self, owner: str, run_id: str | None, seq_id: int | None, kind: OperationKind,
-                         body_digest: str, admit: Callable[[], None] | None = None,
+                         body_digest: str, admit: Callable[[object], None] | None = None,
                          config: dict | None = None) -> tuple[OperationRecord, bool]:
         """Queue (run, seq_id), or return the existing operation if the same body was sent before.
 
         Returns (operation, created). The run must be the owner's (NotFound). A run that is not active
         takes no new seq_id (Conflict) but still answers a retry of one it has; a different body under a
-        used seq_id is a Conflict. `admit` (the quota check) runs only for a new operation, before it is
-        inserted: raising refuses it and nothing is stored. Sampling operations pass run_id/seq_id None
+        used seq_id is a Conflict. `admit(conn)` (the quota check) runs only for a new operation, in the
+        transaction that inserts it, under the owner's quota lock (quota_tx: the count and the insert are one
+        step, so concurrent submissions never pass a limit together); raising refuses it and nothing is
+        stored. Sampling operations pass run_id/seq_id None
         and are never deduplicated. `config` is kept beside a new operation (what the console's configuration
         panel shows: a forward's loss, an optim_step's hyperparameters); a retry keeps the first one's.
 
-        `admit` runs between the checks and the insert, with no connection held: it reads the store
-        itself, and a connection held across it would let many concurrent submissions exhaust the pool.
-        The unique (run, seq_id) constraint, not a long transaction, is what makes a racing retry safe.
+        `admit` reads the store only through the connection it is given (another from the pool could wait on
+        this one's lock). The unique (run, seq_id) constraint is what makes a racing retry safe.
         """
         row = {"id": new_id("op"), "owner": owner, "run_id": run_id, "seq_id": seq_id, "kind": OperationKind(kind),
                "body_digest": body_digest, "status": OperationStatus.QUEUED, "result": None, "error": None,
@@ -177,11 +237,14 @@ class Store:
                     return existing, False
                 if run.status != RunStatus.ACTIVE:
                     raise Conflict(f"run {run_id!r} is {run.status}; it takes no more operations", field="run_id")
-        if admit is not None:
-            admit()
         try:
-            with self.engine.begin() as conn:
-                conn.execute(_INSERT_OPERATION, [row])
+            if admit is None:
+                with self.engine.begin() as conn:
+                    conn.execute(_INSERT_OPERATION, [row])
+            else:
+                with self.quota_tx(owner) as conn:
+                    admit(conn)
+                    conn.execute(_INSERT_OPERATION, [row])
             return OperationRecord(**row), True
         except IntegrityError:  # the same (run, seq_id) committed by a racing request
             with self.engine.connect() as conn:
@@ -417,26 +480,32 @@ class Store:
     def usage(self, owner: str) -> dict:
         """What an owner holds now: active sessions, live runs (base model and LoRA config each) and
         operations queued or running. Closed, expired, finished, cancelled or failed ones hold nothing."""
-        with self.tx() as db:
-            sessions = db.scalar(select(func.count()).select_from(SessionRow).where(
-                SessionRow.owner == owner, SessionRow.status == SessionStatus.ACTIVE))
-            runs = db.execute(select(RunRow.base_model, RunRow.lora).where(
-                RunRow.owner == owner, RunRow.status.in_(RUN_LIVE))).all()
-        return {"sessions": sessions, "runs": [(b, lora) for b, lora in runs],
-                "operations": self.pending_operations(owner)}
+        with self._reading() as conn:
+            return {"sessions": self.held_sessions(owner, conn), "runs": self.held_runs(owner, conn),
+                    "operations": conn.execute(_PENDING, {"owner": owner}).scalar_one()}
+
+    def held_sessions(self, owner: str, conn=None) -> int:
+        """The owner's active sessions (read through `conn` where given: a quota_tx's)."""
+        with self._reading(conn) as c:
+            return c.execute(_SESSIONS_HELD, {"owner": owner}).scalar_one()
+
+    def held_runs(self, owner: str, conn=None) -> list[tuple[str, dict]]:
+        """(base model, LoRA config) of each of the owner's live runs (read through `conn` where given)."""
+        with self._reading(conn) as c:
+            return [(b, lora) for b, lora in c.execute(_RUNS_HELD, {"owner": owner})]
 
     def pending_operations(self, owner: str) -> int:
         """How many of an owner's operations are queued or running (usage's "operations", alone)."""
         with self.engine.connect() as conn:
             return conn.execute(_PENDING, {"owner": owner}).scalar_one()
 
-    def pending_before(self, owner: str, run_id: str | None, seq_id: int | None) -> int | None:
+    def pending_before(self, owner: str, run_id: str | None, seq_id: int | None, conn=None) -> int | None:
         """The owner's operations queued or running, for a new operation's queue limit; None when a later
         seq_id of its run is queued already (it waits for this one, so this one is never held back). One
-        statement on the (owner, status) and (run_id, seq_id) indexes: every submission asks."""
-        with self.engine.connect() as conn:
-            held, waited_for = conn.execute(_PENDING_BEFORE, {"owner": owner, "run_id": run_id,
-                                                              "seq_id": seq_id}).one()
+        statement on the (owner, status) and (run_id, seq_id) indexes: every submission asks (through `conn`,
+        its quota_tx's, where given)."""
+        with self._reading(conn) as c:
+            held, waited_for = c.execute(_PENDING_BEFORE, {"owner": owner, "run_id": run_id, "seq_id": seq_id}).one()
         return None if waited_for else held
 
 
@@ -460,6 +529,19 @@ _MOVE = {status: update(OperationRow).where(
     for status in OperationStatus if status != OperationStatus.RUNNING}
 _PENDING = select(func.count()).select_from(OperationRow).where(OperationRow.owner == bindparam("owner"),
                                                                 OperationRow.status.in_(OPERATION_PENDING))
+_SESSIONS_HELD = select(func.count()).select_from(SessionRow).where(SessionRow.owner == bindparam("owner"),
+                                                                     SessionRow.status == SessionStatus.ACTIVE)
+_RUNS_HELD = select(RunRow.base_model, RunRow.lora).where(RunRow.owner == bindparam("owner"),
+                                                          RunRow.status.in_(RUN_LIVE))
+# PostgreSQL: one owner's quota checks and the inserts they admit, one at a time (Store.quota_tx), in every process.
+_OWNER_LOCK = text("SELECT pg_advisory_xact_lock(:key)")
+
+
+def _lock_key(owner: str) -> int:
+    """The owner's advisory lock: a signed 64-bit number from its name."""
+    return int.from_bytes(hashlib.sha256(b"whitney-quota:" + owner.encode()).digest()[:8], "big", signed=True)
+
+
 _PENDING_BEFORE = select(_PENDING.scalar_subquery(), exists().where(  # a run_id of None (sampling) matches none
     OperationRow.run_id == bindparam("run_id"), OperationRow.seq_id > bindparam("seq_id"),
     OperationRow.status == OperationStatus.QUEUED))

@@ -2,8 +2,10 @@
 
 Usage is read from the store when a request would add to it (sessions, runs and queued operations are
 rows; closed, finished, cancelled and expired ones hold nothing), except tokens per minute, a sliding
-60 s window kept in memory. A refused request changes nothing. Limits are soft under races: two
-requests checked at the same moment may both pass.
+60 s window kept in memory. A refused request changes nothing. The count and the row it admits are one
+atomic step: the store runs each check (given a `conn`) inside the transaction that inserts the row, under the
+owner's quota lock (Store.quota_tx), so concurrent requests, from one API process or several on one database,
+never pass a limit together.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
 from whitney.errors import InvalidInput, WhitneyError
 from whitney.protocol.backend import Backend
@@ -23,6 +26,9 @@ from whitney.service.store.keys import KeyRing
 WINDOW = 60.0  # seconds of the tokens-per-minute window
 HELD_RETRY = 10  # Retry-After (s) when usage drops only as the client ends something (sessions, runs)
 QUEUE_RETRY = 1  # Retry-After (s) when operations ahead are running
+# Forward requests of one key validated at once in this process, each on a request thread (a custom loss's graph
+# is dry-run then): more would let one key hold the threadpool every other key's requests need.
+VALIDATIONS_PER_KEY = 2
 
 
 class QuotaExceeded(WhitneyError):
@@ -44,6 +50,7 @@ class Quotas:
         self.store, self.keys, self.defaults, self.backend = store, keys, defaults, backend
         self._tokens: dict[str, deque[tuple[float, int]]] = {}  # owner -> (time, tokens) of the last minute
         self._lock = threading.RLock()  # _spend reads the window while holding it
+        self._validating: dict[str, int] = {}  # owner -> its requests being validated now
 
     def limits(self, owner: str) -> KeyLimits:
         return self.defaults.override(self.keys.own_limits(owner))
@@ -57,21 +64,23 @@ class Quotas:
 
     # ---- checks, each before the request adds to what it counts ---------------------------------
 
-    def check_session(self, owner: str) -> None:
+    def check_session(self, owner: str, conn=None) -> None:
+        """Store.create_session's `admit`: `conn` is its quota_tx's."""
         limit = self.limits(owner).max_sessions
         if limit:
-            held = self.store.usage(owner)["sessions"]
+            held = self.store.held_sessions(owner, conn)
             if held + 1 > limit:
                 raise QuotaExceeded(f"this key may hold {limit} active sessions and holds {held}; close one (or "
                                     "let it expire) first", field="max_sessions", limit=limit, usage=held,
                                     retry_after=HELD_RETRY)
 
-    def check_run(self, owner: str, base_model: str, lora: dict) -> None:
+    def check_run(self, owner: str, base_model: str, lora: dict, conn=None) -> None:
+        """Store.create_run's `admit`: `conn` is its quota_tx's."""
         limits = self.limits(owner)
         cost = self._adapter_bytes(base_model, lora)  # also an InvalidInput for a bad config, up front
         if not (limits.max_runs or limits.max_adapter_bytes):
             return
-        runs = self.store.usage(owner)["runs"]
+        runs = self.store.held_runs(owner, conn)
         if limits.max_runs and len(runs) + 1 > limits.max_runs:
             raise QuotaExceeded(f"this key may hold {limits.max_runs} live runs and holds {len(runs)}; finish or "
                                 "cancel one first", field="max_runs", limit=limits.max_runs, usage=len(runs),
@@ -83,16 +92,17 @@ class Quotas:
                                 "one first", field="max_adapter_bytes", limit=limits.max_adapter_bytes, usage=held,
                                 retry_after=HELD_RETRY)
 
-    def admit_operation(self, owner: str, run_id: str | None, seq_id: int | None, tokens: int) -> None:
+    def admit_operation(self, owner: str, run_id: str | None, seq_id: int | None, tokens: int, conn=None) -> None:
         """Check the queue and token limits for a new operation, and count its tokens (run_id None: a
-        sample or compute_logprobs request, in no run's order).
+        sample or compute_logprobs request, in no run's order). Store.submit_operation's `admit`: `conn` is its
+        quota_tx's.
 
         The store calls it for a new (run, seq_id) only, never for a retry. An operation that a later,
         already queued seq_id of its run waits for passes the queue limit, or that run could never move again.
         """
         limits = self.limits(owner)
         if limits.max_queued_operations:
-            held = self.store.pending_before(owner, run_id, seq_id)
+            held = self.store.pending_before(owner, run_id, seq_id, conn)
             if held is not None and held + 1 > limits.max_queued_operations:
                 raise QuotaExceeded(f"this key may have {limits.max_queued_operations} operations queued or "
                                     f"running and has {held}; wait for some to finish",
@@ -100,6 +110,29 @@ class Quotas:
                                     usage=held, retry_after=QUEUE_RETRY)
         if tokens:
             self._spend(owner, tokens, limits.max_tokens_per_minute)
+
+    @contextmanager
+    def validating(self, owner: str, tokens: int):
+        """Around a forward request's validation on a request thread (Backend.validate: a custom loss's graph runs
+        then), which counts against the key's share: at most VALIDATIONS_PER_KEY of a key's at once (beyond: 429,
+        field concurrent_validations), and its `tokens` count against max_tokens_per_minute now, before the work,
+        whether it then passes or not (the operation it becomes does not count them again: enqueue's `counted`)."""
+        with self._lock:
+            held = self._validating.get(owner, 0)
+            if held >= VALIDATIONS_PER_KEY:
+                raise QuotaExceeded(f"this key may have {VALIDATIONS_PER_KEY} forward requests validated at once and "
+                                    f"has {held}; wait for one to be answered", field="concurrent_validations",
+                                    limit=VALIDATIONS_PER_KEY, usage=held, retry_after=QUEUE_RETRY)
+            self._validating[owner] = held + 1
+        try:
+            if tokens:
+                self._spend(owner, tokens, self.limits(owner).max_tokens_per_minute)
+            yield
+        finally:
+            with self._lock:
+                self._validating[owner] -= 1
+                if not self._validating[owner]:
+                    del self._validating[owner]
 
     # ---- tokens per minute ------------------------------------------------------------------------
 

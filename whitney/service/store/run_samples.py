@@ -25,6 +25,7 @@ from sqlalchemy import delete, func, select
 
 from whitney.errors import InvalidInput, TooLarge
 from whitney.service.store.database import Store
+from whitney.service.store.json_values import check_json
 from whitney.service.store.run_metrics import current_step
 from whitney.service.store.tables import RunRow, RunSampleRow
 
@@ -80,6 +81,7 @@ def _measured(samples: list[dict], limits: SampleLimits) -> list[tuple[dict, int
         metadata = sample.get("metadata")
         meta_bytes = 0
         if metadata is not None:
+            check_json(metadata, f"samples.{i}.metadata")  # first: serialising a deep value would recurse
             meta_bytes = len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode())
             if meta_bytes > limits.max_metadata_bytes:
                 raise TooLarge(f"samples[{i}].metadata is {meta_bytes} bytes as compact JSON; the limit is "
@@ -102,6 +104,7 @@ def log_samples(store: Store, run_id: str, owner: str, samples: list[dict], step
     with store.tx() as db:
         # Writers of one run take turns (as for metrics): on PostgreSQL on the run's row, on SQLite from the delete on.
         db.execute(select(RunRow.id).where(RunRow.id == run_id).with_for_update())
+        store.lock_owner(db, owner)  # and one key's writers across its runs (its totals, _check_room)
         db.execute(delete(RunSampleRow).where(RunSampleRow.run_id == run_id, RunSampleRow.step == step))
         _check_room(db, run_id, owner, [size for _, size in measured], limits)  # a refusal rolls the delete back
         db.add_all([RunSampleRow(run_id=run_id, owner=owner, step=step, idx=i, prompt=s["prompt"],

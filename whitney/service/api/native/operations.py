@@ -18,6 +18,7 @@ from whitney.service.scheduling.jobs import ForwardJob, Job, LoadJob, OptimJob, 
 from whitney.service.scheduling.limits import check_operation
 from whitney.service.store import custom_losses
 from whitney.service.store.database import digest
+from whitney.service.store.json_values import check_json
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationKind, RunStatus
 from whitney.service.store.packages import reading
 from whitney.service.store.records import OperationRecord
@@ -27,22 +28,23 @@ MAX_WAIT = 30.0
 
 
 def submit(st: ServiceState, who: str, run_id: str, kind: str, body: schemas.Wire,
-           job: Job | None) -> OperationRecord:
+           job: Job | None, counted: int = 0) -> OperationRecord:
     """`enqueue` a native request: its digest is the body's."""
-    return enqueue(st, who, run_id, body.seq_id, kind, digest({"kind": kind, **body.model_dump()}), job)
+    return enqueue(st, who, run_id, body.seq_id, kind, digest({"kind": kind, **body.model_dump()}), job, counted)
 
 
 def enqueue(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, body_digest: str,
-            job: Job | None) -> OperationRecord:
+            job: Job | None, counted: int = 0) -> OperationRecord:
     """Record (run, seq_id) in the store (a retry with the same body returns the same operation) and queue
     its job (None: only a retry of an ended run's operation, which is never queued again). Shared with
     the Tinker routes. The store checks the run (404, 409 once it has ended) and the quota (429, never for
-    a retry) in the one call."""
-    tokens = job.tokens if isinstance(job, ForwardJob) else 0
+    a retry) in the one call. `counted`: tokens of the job already counted against the key's tokens per minute
+    (as it was validated: Quotas.validating)."""
+    tokens = max(0, job.tokens - counted) if isinstance(job, ForwardJob) else 0
     # A load counts as the checkpoint's reader until it ends, so the TTL reaper never deletes it first (packages.py).
     op, created = reading(st.store, job.path if isinstance(job, LoadJob) else None, lambda: st.store.submit_operation(
-        who, run_id, seq_id, kind, body_digest, admit=lambda: st.quotas.admit_operation(who, run_id, seq_id, tokens),
-        config=shown_config(job)))
+        who, run_id, seq_id, kind, body_digest,
+        admit=lambda conn: st.quotas.admit_operation(who, run_id, seq_id, tokens, conn), config=shown_config(job)))
     if created and job is not None:
         st.scheduler.submit(op, job)
     return op
@@ -64,7 +66,9 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
              backward: bool) -> OperationRecord:
     run = st.store.get_run(run_id, who)
     kind = OperationKind.FORWARD_BACKWARD if backward else OperationKind.FORWARD
-    if run.status != RunStatus.ACTIVE:  # only a retry of a seq_id the ended run has (the store refuses others)
+    if run.status != RunStatus.ACTIVE or st.store.find_operation(run_id, body.seq_id) is not None:
+        # A retry of a seq_id the run has (or a Conflict): the store answers, nothing is read or validated again.
+        # An ended run takes no other (the store refuses it).
         return submit(st, who, run_id, kind, body, None)
     # Image chunks read (asset pointers from allowed directories) and checked against the image limits; a model
     # without vision refuses them before any is read.
@@ -76,11 +80,15 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     if with_images is not None:
         images.refuse_images(st.model_info(run.base_model), run.base_model, f"data[{with_images}].input.chunks",
                              with_images)
+    check_json(body.loss_config, "loss_config")  # a free JSON object, kept beside the operation (shown_config)
     # loss "custom": {"loss_id": id} becomes the stored definition (routes/custom_losses.py).
     config = custom_losses.resolve(st.store, who, body.loss_function, body.loss_config)
-    # Validated now, so a bad datum is a 400 naming it rather than a failed operation later.
+    # Validated now, so a bad datum is a 400 naming it rather than a failed operation later. The work counts against
+    # the key's share (Quotas.validating): its tokens per minute, passed or not, and a bound on validations at once.
+    counted = sum(lengths)
     try:
-        total = st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
+        with st.quotas.validating(who, counted):
+            total = st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
             e.field = "loss_function"
@@ -88,7 +96,7 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     if with_images is not None:  # the engine's processor has counted each image's positions
         lengths = images.expanded_lengths(data, total)
         check_operation(st.limits, lengths)
-    return submit(st, who, run_id, kind, body, ForwardJob(data, body.loss_function, config, lengths))
+    return submit(st, who, run_id, kind, body, ForwardJob(data, body.loss_function, config, lengths), counted)
 
 
 @router.post("/runs/{run_id}/forward_backward", response_model=schemas.Operation, status_code=202)

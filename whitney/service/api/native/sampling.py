@@ -93,10 +93,11 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
     # engine checks the expanded prompt again when the request starts).
     info = st.model_info(base_model)
     validate(images.stand_in(prompt, params, info.max_context), params, info, st.scheduler.backend.config.max_sequences)
-    st.quotas.admit_operation(who, None, None, 0)  # 429 over the key's queued operations
-    # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
+    # A 429 over the key's queued operations, counted in one step with the insert. A checkpoint read counts as its
+    # reader until the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
-        who, None, None, OperationKind.SAMPLE, ""))
+        who, None, None, OperationKind.SAMPLE, "", admit=lambda conn: st.quotas.admit_operation(who, None, None, 0,
+                                                                                              conn)))
     st.scheduler.submit_sample(op, prompt, params, weights)
     return op
 
@@ -123,9 +124,10 @@ def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
         if not seq or lengths[i] > config.max_context or not all(0 <= t < config.vocab_size for t in ids):
             raise InvalidInput(f"sequence {i} must hold 1 to {config.max_context} token ids in "
                                f"[0, {config.vocab_size})", field="sequences", datum_index=i)
-    st.quotas.admit_operation(who, None, None, sum(lengths))  # 429 over the key's quota
-    # A checkpoint read counts as its reader until the operation ends: the TTL reaper waits (packages.py).
+    # A 429 over the key's quota, counted in one step with the insert. A checkpoint read counts as its reader until
+    # the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
-        who, None, None, OperationKind.COMPUTE_LOGPROBS, ""))
+        who, None, None, OperationKind.COMPUTE_LOGPROBS, "",
+        admit=lambda conn: st.quotas.admit_operation(who, None, None, sum(lengths), conn)))
     st.scheduler.submit_logprobs(op, sequences, weights)
     return op

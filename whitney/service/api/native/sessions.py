@@ -30,8 +30,7 @@ router = APIRouter(prefix="/v1", tags=["sessions"])
 @router.post("/sessions", response_model=schemas.Session, status_code=201)
 def create_session(body: schemas.SessionCreate, st: State, who: Owner):
     check_metadata(st.limits, body.user_metadata)
-    st.quotas.check_session(who)
-    session = st.store.create_session(who, body.user_metadata)
+    session = st.store.create_session(who, body.user_metadata, admit=lambda conn: st.quotas.check_session(who, conn))
     return projects.label(st.store, session.id, who, tags=body.tags, project_id=body.project_id,
                           display_name=body.display_name)
 
@@ -161,16 +160,22 @@ async def open_run(st: ServiceState, who: str, session_id: str, body: schemas.Ru
     base_model = base_model or st.models[0]
     if not st.serves(base_model):
         raise InvalidInput(f"base model {base_model!r} is not served here; served: {st.models}", field="base_model")
-    await run_in_threadpool(st.quotas.check_run, who, base_model, lora)  # the key's live runs, their adapters' memory
-    run_id = run_id or new_id("run")
     with_optimizer = bool(body.resume_from and body.resume_from.with_optimizer)
-    # The engine validates the LoRA config against the model; only then is the run recorded. The checkpoint counts
+    # The run is recorded first, in one step with the quota check (the key's live runs and their adapters' memory:
+    # concurrent requests never pass it together), so its place is held before the engine allocates anything.
+    run = await run_in_threadpool(st.store.create_run, session_id, who, base_model, lora,
+                                  body.resume_from.checkpoint_id if body.resume_from else None, with_optimizer,
+                                  body.user_metadata, run_id=run_id or new_id("run"),
+                                  admit=lambda conn: st.quotas.check_run(who, base_model, lora, conn))
+    # The engine validates the LoRA config against the model; a refusal removes the run again. The checkpoint counts
     # as read while it loads, so the TTL reaper (packages.py) does not delete it under the load.
-    async with _reading(st, resume_path):
-        await asyncio.wrap_future(st.scheduler.open_run(run_id, base_model, lora, resume_path, with_optimizer))
-    return await run_in_threadpool(st.store.create_run, session_id, who, base_model, lora,
-                                   body.resume_from.checkpoint_id if body.resume_from else None,
-                                   with_optimizer, body.user_metadata, run_id=run_id)
+    try:
+        async with _reading(st, resume_path):
+            await asyncio.wrap_future(st.scheduler.open_run(run.id, base_model, lora, resume_path, with_optimizer))
+    except Exception:  # not a cancelled request: the engine still opens that run, which keeps its place
+        await run_in_threadpool(st.store.drop_run, run.id)
+        raise
+    return run
 
 
 @contextlib.asynccontextmanager

@@ -109,7 +109,6 @@ def copy_weights(body: CopyWeights, st: State, who: Owner, ts: Tinker,
             raise InvalidInput("session_id needs model_seq_id", field="model_seq_id")
         session_id = body.session_id
     elif body.destination_project_id is not None:
-        st.quotas.check_session(who)
         session_id = labelled_session(st, who, {}, project_id=body.destination_project_id).id
     else:
         raise InvalidInput("give destination_project_id, or session_id with model_seq_id",

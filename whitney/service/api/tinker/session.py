@@ -61,14 +61,13 @@ def create_session(body: CreateSession, st: State, who: Owner) -> dict:
     GET /v1/sessions find it by them)."""
     check_metadata(st.limits, body.user_metadata)
     projects.check_labels(body.tags, body.project_id, body.display_name)
-    st.quotas.check_session(who)
     session = labelled_session(st, who, dict(body.user_metadata or {}), tags=body.tags, project_id=body.project_id,
                                display_name=body.display_name)
     return {"type": "create_session", "session_id": session.id}
 
 
 def labelled_session(st: ServiceState, who: str, user_metadata: dict, **labels) -> SessionRecord:
-    session = st.store.create_session(who, user_metadata)
+    session = st.store.create_session(who, user_metadata, admit=lambda conn: st.quotas.check_session(who, conn))
     return projects.label(st.store, session.id, who, **labels)
 
 
