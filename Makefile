@@ -64,9 +64,12 @@ test: $(VENV)/.test-installed
 # The edit loop's tier (docs/TESTING.md): every test function once, on the tiny models and SQLite, in under 3
 # minutes. What tests/conftest.py marks `heavy` is left to `make test`: the Ray cluster, the browser console,
 # fuzzing, subprocess servers, the real model, PostgreSQL, a parametrized test's cases after its first.
-# TEST_ARGS adds pytest arguments, e.g. TEST_ARGS='-x tests/service'.
+# It runs on every CPU (pytest-xdist: one worker process per CPU, each test in one of them; the tiny models'
+# matmuls are single-threaded, so the workers add up). TEST_ARGS adds pytest arguments, e.g. TEST_ARGS='-x
+# tests/service'; TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= auto
 test-quick: $(VENV)/.test-installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not heavy" $(TEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not heavy" -n $(TEST_WORKERS) $(TEST_ARGS)
 
 # Every benchmark but the peers, side by side; writes bench/results/*.json, docs/BENCHMARKS.md and docs/bench_*.png.
 # BENCH_ARGS=--quick for a smoke run (about 2 minutes), BENCH_ARGS='--only sampling' for one.

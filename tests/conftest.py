@@ -56,6 +56,8 @@ HEAVY = {
     "service/test_keys.py::test_the_tinker_sdk_with_a_key_retries_a_429": "the SDK sleeps the Retry-After",
     "service/test_checkpoint_lifecycle.py::test_readers_and_the_reaper_racing_never_both_win": "a race, five "
     "expiries long",
+    "test_cli.py::test_sigterm_stops_the_server_while_requests_are_busy": "`whitney serve` in a subprocess, held "
+    "busy until it is stopped",
 }
 TESTS = Path(__file__).parent
 
