@@ -136,6 +136,10 @@ class FakeBackend:
             del self.samples[request_id]
         return ended
 
+    def cancel_sample(self, request_id) -> None:
+        self.calls.append(("cancel_sample", request_id))
+        self.samples.pop(request_id, None)
+
     def take_lost_runs(self) -> list[str]:
         lost, self.lost = self.lost, []
         return lost
@@ -211,7 +215,7 @@ def test_both_backends_implement_the_protocol(tiny_llama):
     assert isinstance(InProcessBackend(Engine()), ServedBackend)
     # What operations call stays narrow: housekeeping and tokenizers are interfaces of their own.
     methods = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
-    assert len(methods) == 14 and "models" in vars(Backend), methods
+    assert len(methods) == 15 and "models" in vars(Backend), methods
 
 
 def test_seq_id_order_and_cross_run_batches(fake):
@@ -318,6 +322,34 @@ def test_a_streaming_sample_reports_each_token_before_it_ends(fake):
     assert asyncio.run(drain()) == [0, 1, 2, 3]  # the fifth ends the request: it is in the result only
     assert wait(scheduler.store, op).result["sequences"][0]["tokens"] == [0, 1, 2, 3, 4]
     assert op.id not in scheduler.ends.streams
+
+
+def test_a_cancelled_sample_leaves_the_backend_and_ends_cancelled(fake):
+    """Issue 31: cancel_sample drops the request from the backend between two steps (it never decodes again) and
+    ends its operation cancelled, its listener told; another sample goes on; a sample that ended is left as it is."""
+    import asyncio
+
+    backend, scheduler, _, _ = fake
+    store = scheduler.store
+    long, _ = store.submit_operation("me", None, None, "sample", "")
+    short, _ = store.submit_operation("me", None, None, "sample", "")
+    listener = scheduler.submit_sample(long, [1], SamplingParams(max_tokens=10**9), Weights(base_model="fake"),
+                                       stream=True)
+    scheduler.submit_sample(short, [1], SamplingParams(max_tokens=50), Weights(base_model="fake"))
+
+    async def first_tokens() -> None:
+        while not (await listener.get(timeout=5))[0]:
+            pass
+
+    asyncio.run(first_tokens())  # it decodes
+    assert scheduler.cancel_sample(long.id, "gone").result(timeout=10) is True
+    assert ("cancel_sample", long.id) in backend.calls and long.id not in backend.samples
+    cancelled = wait(store, long)
+    assert cancelled.status == "cancelled" and cancelled.error == {"code": "cancelled", "message": "gone"}
+    assert asyncio.run(listener.get(timeout=5))[1], "the stream's listener is told it ended"
+    assert wait(store, short).status == "succeeded"
+    assert scheduler.cancel_sample(short.id).result(timeout=10) is False  # ended first: unchanged
+    assert store.get_operation(short.id).status == "succeeded"
 
 
 def test_a_backend_bug_is_a_server_error_and_the_worker_goes_on(fake):

@@ -220,6 +220,16 @@ class InProcessBackend(chat.TextMethods, LossMethods):
             del self._samples[request_id]
         return ended
 
+    def cancel_sample(self, request_id: str) -> None:
+        """Stop a sample now: out of its sampler's queue, or its rows and their cache out of the batch before the
+        next step (Sampler.cancel); never reported again. An unknown or ended id is ignored."""
+        request = self._samples.pop(request_id, None)
+        if request is None:
+            return
+        for sampler in self.engine.samplers.values():
+            if sampler.cancel(request):
+                return
+
     def tokenizer(self, base_model: str):
         """A loaded model's own tokenizer; never loads a model (RayBackend makes its own from `tokenizer_files`)."""
         base = self.engine.models.get(base_model)

@@ -4,7 +4,7 @@ Everything that crosses it is a dataclass of lists, numbers and strings (no tens
 no exception objects in results), so a backend can live in this process (backends/in_process.py, over the
 `Engine`) or in other ones (backends/ray: a proxy to actors) behind the same calls. Three small interfaces:
 
-Backend, what operations call (15 methods, plus `config` and `separate_sampling`):
+Backend, what operations call (16 methods, plus `config` and `separate_sampling`):
   models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype, device)
   losses()                        the loss table as plain data: each loss's inputs, config keys and defaults
   check_custom_loss(definition)   a custom loss graph checked against the allow-lists (InvalidInput names the node)
@@ -23,6 +23,9 @@ Backend, what operations call (15 methods, plus `config` and `separate_sampling`
                                   Failure | SampleProgress)]: a request's end, or (streaming requests only)
                                   the tokens it chose since its last report; a request's progress always
                                   comes before its end
+  cancel_sample(request_id)       stop a sample whose client went away or cancelled it: it leaves the queue,
+                                  or its rows leave the batch before the next decode step and their cache is
+                                  freed; sample_step never names it again. An unknown or ended id is ignored
   separate_sampling               True when sampling and scoring run apart from training (other workers):
                                   the service then drives them from a second thread
 
@@ -222,6 +225,7 @@ class Backend(Protocol):
     def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> None: ...
     def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]: ...
+    def cancel_sample(self, request_id: str) -> None: ...
 
 
 @runtime_checkable

@@ -146,6 +146,16 @@ class SubmitSample(Call[None]):
 
 
 @dataclass(frozen=True)
+class CancelSample(Call[None]):
+    """Stop a sample: its rows and their cache leave the worker's batch before its next step."""
+
+    request_id: str
+
+    def on(self, backend: InProcessBackend) -> None:
+        backend.cancel_sample(self.request_id)
+
+
+@dataclass(frozen=True)
 class SampleSteps(Call[list]):
     """Decode steps until a request ends or `seconds` pass (0: one step): the streaming requests' progress over
     those steps (one report each), then the requests that ended (whose results hold every token, so a request

@@ -165,6 +165,10 @@ class RayBackend(chat.TextMethods, LossMethods):
     def sample_step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
         return self._sampling.step()
 
+    def cancel_sample(self, request_id: str) -> None:
+        """To the worker the request went to (sampling.py `Sampling.cancel`)."""
+        self._sampling.cancel(request_id)
+
     # ---- Tokenizers: the model's own, here in the control plane ------------------------------
 
     def tokenizer(self, base_model: str):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from whitney.backends.ray.calls import SampleSteps, SubmitSample, Warm
+from whitney.backends.ray.calls import CancelSample, SampleSteps, SubmitSample, Warm
 from whitney.backends.ray.supervisor import Supervisor
 from whitney.backends.ray.workers import Role, Worker
 from whitney.engine.training.checkpoint import read_manifest
@@ -77,6 +77,16 @@ class Sampling:
         self.supervisor.call(worker, SubmitSample(request_id, prompt, params, weights, stream))
         with self._lock:
             worker.inflight[request_id] = generation
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request in flight on the worker that holds it: the cancel is sent without waiting (Ray runs it
+        after the steps sent before it, so before the next); whatever an outstanding step still reports of it is
+        dropped by the caller, which no longer knows it."""
+        with self._lock:
+            worker = next((w for w in self.supervisor.workers() if w.inflight.pop(request_id, None) is not None),
+                          None)
+        if worker is not None and self.supervisor.usable(worker):
+            worker.submit(CancelSample(request_id))
 
     def step(self) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
         """Keep one decode call outstanding on every worker with requests in flight; wait briefly for one

@@ -26,6 +26,7 @@ class SampleRequest:
     result: SampleResult | None = None
     pending: int = 0  # rows still running
     error: Exception | None = None  # this request alone failed; its rows have left the batch
+    cancelled: bool = False  # dropped by Sampler.cancel (its client went away): its rows and cache have left
     stream: bool = False  # keep what is chosen for `take_progress` (set before its first step)
     images: list = field(default_factory=list)  # the prompt's vision.ProcessedImage, in position order
     fresh: SampleProgress | None = None  # chosen since the last take_progress
@@ -48,7 +49,7 @@ class SampleRequest:
 
     @property
     def done(self) -> bool:
-        return self.error is not None or (self.result is not None and self.pending == 0)
+        return self.cancelled or self.error is not None or (self.result is not None and self.pending == 0)
 
     @property
     def reserved_tokens(self) -> int:

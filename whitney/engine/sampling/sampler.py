@@ -21,6 +21,9 @@ Log-probs: each generated token's log-prob is log_softmax(logits) of the model a
 whatever the request's temperature, top_k or top_p: the same number `compute_logprobs` and a
 training `forward` give for that token, which is what an importance ratio against the learner needs.
 
+Cancelling: `cancel(request)` drops a request between steps (a client gone, a cancelled operation): out of the
+queue, or its rows and their cache out of the batch at once, so no decode step runs for it again.
+
 Streaming: a request submitted with `stream` keeps the tokens (and log-probs) its rows chose since the last
 `take_progress()`, for a caller to hand on while it runs; the final `result` holds every token either way.
 
@@ -181,6 +184,26 @@ class Sampler:
     @property
     def idle(self) -> bool:
         return not self.queue and not self.rows
+
+    def cancel(self, request: SampleRequest) -> bool:
+        """Drop a request now (its client went away, or cancelled it): out of the queue, or its rows out of the
+        batch with their cache, so the next decode step runs without them; the other rows go on unchanged (their
+        generators, tokens and cache rows as before). Whether this sampler held it."""
+        queued = [r for r in self.queue if r is not request]
+        if len(queued) < len(self.queue):
+            self.queue = queued
+            request.cancelled = True  # done: whatever held on for it (a run kept in memory) lets go
+            return True
+        keep = [b for b, row in enumerate(self.rows) if row.request is not request]
+        if len(keep) == len(self.rows):
+            return False
+        request.cancelled = True
+        index = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        self.rows = [self.rows[b] for b in keep]
+        self.cache.keep(index)  # the cache rows go with them: their memory is freed
+        self._pending_tokens = self._pending_tokens[index]
+        self.cache.settle()
+        return True
 
     def step(self) -> None:
         """Admit what fits, then one decode step for every running row."""

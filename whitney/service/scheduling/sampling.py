@@ -1,6 +1,7 @@
 """The sampling lane: samples submitted to the backend (which knows each by its operation's id), its sampling
 steps run, each request that ended in one answered, and a streaming request's new tokens handed to its listener
-as each step reports them (its end follows the stored result).
+as each step reports them (its end follows the stored result). A sample whose client went away, or that was
+cancelled, is dropped between two steps (`cancel`): it ends cancelled and the backend frees what it held.
 
 On the training thread, sampling steps run until they took as long as the last training iteration (at least
 one): training and sampling get equal time while both have work, and a sample submitted meanwhile joins at
@@ -47,6 +48,24 @@ class Sampling:
             return
         self.store.set_operation(operation.id, OperationStatus.RUNNING)
         self._samples[operation.id] = operation
+
+    def cancel(self, op_id: str, reason: str) -> bool:
+        """Stop a sample in flight (on the lane's thread, so between two steps): the backend drops its rows and
+        frees its cache before the next step, and the operation ends cancelled, its stream's listener told.
+        Whether it was in flight (one already ended, or never started, is left as it is)."""
+        operation = self._samples.pop(op_id, None)
+        if operation is None:
+            return False
+        try:
+            self.backend.cancel_sample(op_id)
+        finally:  # ended either way: a backend that fails to drop it never reports it again either
+            self.store.set_operation(op_id, OperationStatus.CANCELLED, error={"code": "cancelled", "message": reason})
+            self.ends.notify(op_id)
+            with self._lock:
+                listener = self.ends.streams.pop(op_id, None)
+            if listener is not None:
+                listener.end()
+        return True
 
     def step(self) -> bool:
         """Sampling steps of the backend until they took `budget()` seconds (at least one), the lane's calls

@@ -107,8 +107,15 @@ class Scheduler:
         return listener
 
     def drop_stream(self, op_id: str) -> None:
-        """Nobody listens any more (the client went away): the sample runs on, its reports are dropped."""
+        """Nobody listens any more: the stream's reports are dropped (`cancel_sample` stops the sample itself)."""
         self.ends.drop_stream(op_id)
+
+    def cancel_sample(self, op_id: str, reason: str = "the sample was cancelled") -> concurrent.futures.Future:
+        """Stop a sampling operation (its client went away, or cancelled it): before the backend's next sampling
+        step its rows leave the batch and its cache is freed, and it ends cancelled with `reason`. From any
+        thread, at once (the event loop's too: the work runs on the sampling lane); the future says whether it
+        was still in flight (one that ended first is left as it is)."""
+        return self._sampling_lane.call(lambda: self.sampling.cancel(op_id, reason))
 
     def submit_logprobs(self, operation: OperationRecord, sequences: list[list[int]], weights: Weights) -> None:
         """Score sequences on the named weights (not in any run's seq_id order), a chunk per iteration."""

@@ -12,7 +12,7 @@ from whitney.service.api import images
 from whitney.service.api.native import schemas
 from whitney.service.http.deps import Owner, ServiceState, State
 from whitney.service.scheduling.limits import check_operation, check_stops
-from whitney.service.store.lifecycle import RUN_OPEN, OperationKind
+from whitney.service.store.lifecycle import OPERATION_TERMINAL, RUN_OPEN, OperationKind
 from whitney.service.store.packages import reading
 from whitney.service.store.records import OperationRecord
 
@@ -99,6 +99,19 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
         who, None, None, OperationKind.SAMPLE, "", admit=lambda conn: st.quotas.admit_operation(who, None, None, 0,
                                                                                               conn)))
     st.scheduler.submit_sample(op, prompt, params, weights)
+    return op
+
+
+@router.post("/samples/{op_id}/cancel", response_model=schemas.Operation, status_code=202)
+def cancel_sample(op_id: str, st: State, who: Owner):
+    """Stop a sample: before the sampler's next decode step its rows leave the batch and its cache is freed, and
+    the operation ends `cancelled` (poll it); one that ended first is left as it is. Answers the operation."""
+    op = st.store.get_operation(op_id, who)
+    if op.kind != OperationKind.SAMPLE:
+        raise InvalidInput(f"operation {op_id!r} is a {op.kind}, not a sample: a run's operations end with its run "
+                           "(POST /v1/runs/{run_id}/cancel)", field="op_id")
+    if op.status not in OPERATION_TERMINAL:
+        st.scheduler.cancel_sample(op.id, "cancelled by the client")
     return op
 
 

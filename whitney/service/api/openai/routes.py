@@ -4,7 +4,9 @@ models a key can use, over the same sampler, limits, quotas and keys as `POST /v
 A completion is one sampling operation (its id is the completion's, after "chatcmpl-" or "cmpl-"). The chat
 template and the tokenizer stay in the engine (`Backend.render_chat`, `encode`, `decode`); a streamed
 completion hands each report of new tokens on as soon as the sampler makes it (`Scheduler.submit_sample`
-with `stream`), decoded by `TextStream`.
+with `stream`), decoded by `TextStream`. A completion whose client goes away (a stream dropped part-way, or
+before it began; a request given up while it waits for the whole answer) is cancelled at once: the sampler drops
+its rows and frees their cache before its next decode step (`Scheduler.cancel_sample`).
 
 `model` is a served base model's name, "<run_id>@<version>" (a run's sampler version), a saved state's
 or sampler version's checkpoint id ("pkg-..."), or the Tinker path of one (`tinker://<run_id>/sampler_weights/
@@ -14,12 +16,13 @@ caller's own: its newest `LISTED` sampler versions and its newest `LISTED` check
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
 
-from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import InvalidInput, NotFound, WhitneyError
@@ -61,6 +64,7 @@ class Started:
     stops: tuple[str, ...]
     listener: SampleStream | None
     created: int
+    streamed_to_end: bool = False  # the stream saw the operation end (else closing it cancels the sample)
 
 
 def refuse_unsupported(body: wire.Sampling) -> None:
@@ -267,6 +271,7 @@ async def streamed(st: ServiceState, job: Started, logprobs: bool, chat: bool, i
                     if got["text"] or got["logprobs"]:
                         yield chunk(i, got)
             if over:
+                job.streamed_to_end = True
                 break
             if not reports:
                 yield ": keep-alive\n\n"
@@ -297,27 +302,68 @@ async def streamed(st: ServiceState, job: Started, logprobs: bool, chat: bool, i
         st.scheduler.drop_stream(job.op_id)
 
 
-async def complete(st: ServiceState, who: str, body: wire.Sampling, chat: bool):
+CLIENT_GONE = "the client went away"
+
+
+class SampleEvents(StreamingResponse):
+    """A streamed completion; however the response ends before the stream saw the operation end (the client
+    dropped it part-way, or before its first event, when the stream never even starts), the sample is cancelled."""
+
+    def __init__(self, st: ServiceState, job: Started, events):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.st, self.job = st, job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.job.streamed_to_end:
+                self.st.scheduler.cancel_sample(self.job.op_id, CLIENT_GONE)
+
+
+async def gone(request: Request) -> None:
+    """Return once the client has gone (the request's body is read: the next message is its disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(st: ServiceState, job: Started, request: Request) -> dict | None:
+    """The operation's result (`ended`), or None once the client has gone first: the sample is cancelled."""
+    result, watch = asyncio.ensure_future(ended(st, job)), asyncio.ensure_future(gone(request))
+    try:
+        await asyncio.wait((result, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        cancelled = not result.done()
+        if cancelled:
+            result.cancel()
+            st.scheduler.cancel_sample(job.op_id, CLIENT_GONE)
+    return None if cancelled else result.result()
+
+
+async def complete(st: ServiceState, who: str, body: wire.Sampling, chat: bool, request: Request):
     job = await run_in_threadpool(start, st, who, body, chat)
     logprobs = bool(body.logprobs) if chat else body.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(streamed(st, job, logprobs, chat, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    result = await ended(st, job)
+        return SampleEvents(st, job, streamed(st, job, logprobs, chat, include_usage))
+    result = await unless_gone(st, job, request)
+    if result is None:  # nobody reads an answer
+        return Response(status_code=204)
     return await run_in_threadpool(whole, st, job, result, logprobs, chat)
 
 
 @router.post("/chat/completions", response_model=wire.ChatCompletion, status_code=200, responses=EVENT_STREAM)
-async def chat_completions(body: wire.ChatCompletionRequest, st: State, who: Owner):
+async def chat_completions(body: wire.ChatCompletionRequest, st: State, who: Owner, request: Request):
     """OpenAI's chat completion: the messages rendered with the model's own chat template."""
-    return await complete(st, who, body, chat=True)
+    return await complete(st, who, body, chat=True, request=request)
 
 
 @router.post("/completions", response_model=wire.Completion, status_code=200, responses=EVENT_STREAM)
-async def completions(body: wire.CompletionRequest, st: State, who: Owner):
+async def completions(body: wire.CompletionRequest, st: State, who: Owner, request: Request):
     """OpenAI's text completion of a prompt (a string, or token ids)."""
-    return await complete(st, who, body, chat=False)
+    return await complete(st, who, body, chat=False, request=request)
 
 
 @router.get("/models", response_model=wire.ModelList, status_code=200)

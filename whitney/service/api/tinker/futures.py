@@ -60,6 +60,10 @@ async def retrieve_future(body: FutureRef, st: State, who: Owner, ts: Tinker):
 
 @router.post("/cancel_future")
 def cancel_future(body: FutureRef, st: State, who: Owner) -> dict:
-    """Accepted; a sampling request runs to its end (it is short), its result unread."""
-    st.store.get_operation(body.request_id, who)
+    """A sample (the SDK cancels one whose future it abandons: `sample_cancel_enabled`) stops before its next
+    decode step, its cache freed, and ends cancelled; one that ended first is left as it is. Training operations
+    run in their run's seq_id order whatever the client does: accepted, unchanged."""
+    op = st.store.get_operation(body.request_id, who)
+    if op.kind == OperationKind.SAMPLE and op.status not in OPERATION_TERMINAL:
+        st.scheduler.cancel_sample(op.id, "cancelled by the client (cancel_future)")
     return {}

@@ -31,7 +31,9 @@ def client_config() -> dict:
 
 @router.post("/client/dynamic_config")
 def client_dynamic_config() -> dict:
-    return {}
+    """The SDK sends cancel_future for a sampling future it abandons (a timeout, a cancelled task): the sample
+    stops at once rather than decoding for nobody."""
+    return {"sample_cancel_enabled": True}
 
 
 @router.get("/healthz")
