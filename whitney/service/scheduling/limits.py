@@ -18,32 +18,29 @@ import json
 from dataclasses import dataclass, field, fields
 
 from whitney.errors import TooLarge
+from whitney.service.flags import flag
 from whitney.service.store.json_values import check_json
-
-
-def _limit(default: int, help: str):
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class Limits:
     """Each field is a `whitney serve --max-...` flag (its help is the metadata below)."""
 
-    max_request_bytes: int = _limit(32 * 2**20, "bytes of a request body")
-    max_operation_tokens: int = _limit(131_072, "tokens of one forward, forward_backward or compute_logprobs request")
-    max_operation_datums: int = _limit(4096, "datums (or scored sequences) of one request")
-    max_metadata_bytes: int = _limit(16_384, "user_metadata of a session or run, as compact UTF-8 JSON")
-    max_stop_sequences: int = _limit(32, "stop strings or token sequences of one sample request")
-    max_stop_length: int = _limit(256, "characters of a stop string, tokens of a stop sequence")
+    max_request_bytes: int = flag(32 * 2**20, "bytes of a request body")
+    max_operation_tokens: int = flag(131_072, "tokens of one forward, forward_backward or compute_logprobs request")
+    max_operation_datums: int = flag(4096, "datums (or scored sequences) of one request")
+    max_metadata_bytes: int = flag(16_384, "user_metadata of a session or run, as compact UTF-8 JSON")
+    max_stop_sequences: int = flag(32, "stop strings or token sequences of one sample request")
+    max_stop_length: int = flag(256, "characters of a stop string, tokens of a stop sequence")
     # It bounds how long one engine call, and so any wait behind it, lasts. On a CPU the time of a call grows
     # with its tokens (no larger batch is more efficient), so a small budget costs no throughput there.
-    max_batch_tokens: int = _limit(8192, "training tokens per engine call: larger operations run as "
+    max_batch_tokens: int = flag(8192, "training tokens per engine call: larger operations run as "
                                          "micro-batches, other runs' work in between")
     # Image chunks (service/images.py): checked on the encoded bytes and the header, before any decoding.
-    max_image_bytes: int = _limit(10 * 2**20, "encoded bytes of one image chunk")
-    max_image_pixels: int = _limit(4096 * 4096, "pixels (width x height) of one image, read from its header")
-    max_request_images: int = _limit(64, "image chunks of one request")
-    max_request_image_bytes: int = _limit(32 * 2**20, "encoded image bytes of one request")
+    max_image_bytes: int = flag(10 * 2**20, "encoded bytes of one image chunk")
+    max_image_pixels: int = flag(4096 * 4096, "pixels (width x height) of one image, read from its header")
+    max_request_images: int = flag(64, "image chunks of one request")
+    max_request_image_bytes: int = flag(32 * 2**20, "encoded image bytes of one request")
     # Directories whose files image_asset_pointer chunks may name (`whitney serve --image-dir DIR`, repeatable);
     # none: every pointer is refused. Not a number, so not shown in capabilities.
     image_dirs: tuple[str, ...] = field(default=(), metadata={"help": "directory of images that asset pointers "

@@ -13,28 +13,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sqlalchemy import delete, func, select
 
 from whitney.errors import InvalidInput, TooLarge
+from whitney.service.flags import flag
 from whitney.service.store.database import Store
 from whitney.service.store.lifecycle import OperationKind, OperationStatus
 from whitney.service.store.tables import OperationRow, RunMetricRow, RunRow
-
-
-def _limit(default: int, help: str):
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class MetricLimits:
     """What one request and one run may log (a name over the length is a 400, over a count a 413)."""
 
-    max_name_chars: int = _limit(128, "characters of a metric name (the column's width)")
-    max_names_per_request: int = _limit(256, "metrics in one request")
-    max_names_per_run: int = _limit(1024, "distinct metric names of one run")
-    max_points_per_run: int = _limit(1_000_000, "points (name, step) stored for one run")
+    max_name_chars: int = flag(128, "characters of a metric name (the column's width)")
+    max_names_per_request: int = flag(256, "metrics in one request")
+    max_names_per_run: int = flag(1024, "distinct metric names of one run")
+    max_points_per_run: int = flag(1_000_000, "points (name, step) stored for one run")
 
 
 LIMITS = MetricLimits()

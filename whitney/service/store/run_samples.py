@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sqlalchemy import delete, func, select
 
 from whitney.errors import InvalidInput, TooLarge
+from whitney.service.flags import flag
 from whitney.service.store.database import Store
 from whitney.service.store.json_values import check_json
 from whitney.service.store.run_metrics import current_step
@@ -32,20 +33,16 @@ from whitney.service.store.tables import RunRow, RunSampleRow
 TEXTS = ("prompt", "completion")
 
 
-def _limit(default: int, help: str):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class SampleLimits:
     """What one request, one run and one key may log (413 beyond each)."""
 
-    max_samples_per_request: int = _limit(64, "samples in one request, so in one step")
-    max_text_chars: int = _limit(32_768, "characters of a prompt, and of a completion")
-    max_metadata_bytes: int = _limit(4096, "bytes of a sample's metadata, as compact UTF-8 JSON")
-    max_samples_per_run: int = _limit(10_000, "samples stored for one run")
-    max_samples_per_key: int = _limit(100_000, "samples stored for one key, over all its runs")
-    max_bytes_per_key: int = _limit(256 * 2**20, "UTF-8 bytes of prompts, completions and metadata of one key")
+    max_samples_per_request: int = flag(64, "samples in one request, so in one step")
+    max_text_chars: int = flag(32_768, "characters of a prompt, and of a completion")
+    max_metadata_bytes: int = flag(4096, "bytes of a sample's metadata, as compact UTF-8 JSON")
+    max_samples_per_run: int = flag(10_000, "samples stored for one run")
+    max_samples_per_key: int = flag(100_000, "samples stored for one key, over all its runs")
+    max_bytes_per_key: int = flag(256 * 2**20, "UTF-8 bytes of prompts, completions and metadata of one key")
 
 
 LIMITS = SampleLimits()
