@@ -233,6 +233,15 @@ class Clients:
         for t in threads:
             t.join()
 
+    def summary(self) -> dict:
+        """The phase's errors (the first 10 and their count) and, per kind of operation, its latencies' count,
+        p50, p99 and max in seconds."""
+        out = {"errors": self.errors[:10], "n_errors": len(self.errors)}
+        for kind, xs in self.latencies.items():
+            out[kind] = {"n": len(xs), "p50_s": percentile(xs, 0.5), "p99_s": percentile(xs, 0.99),
+                         "max_s": max(xs)}
+        return out
+
 
 def timed(future) -> float:
     """Wait for an operation future; its submit -> result latency as the server recorded it, in seconds."""

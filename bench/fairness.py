@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from bench.common import Clients, percentile, sft_batch, start_server, timed, tiny_model
+from bench.common import Clients, sft_batch, start_server, timed, tiny_model
 
 
 def run(quick: bool = False, dtype: str = "float32") -> dict:
@@ -59,14 +59,7 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
             clients.run(n, setup, step, seconds)
             phases[name] = clients
 
-    def summary(c: Clients) -> dict:
-        out = {"errors": c.errors[:10], "n_errors": len(c.errors)}
-        for kind, xs in c.latencies.items():
-            out[kind] = {"n": len(xs), "p50_s": percentile(xs, 0.5), "p99_s": percentile(xs, 0.99),
-                         "max_s": max(xs)}
-        return out
-
-    alone, contended = summary(phases["alone"]), summary(phases["contended"])
+    alone, contended = phases["alone"].summary(), phases["contended"].summary()
     ratio = contended["forward_backward"]["p99_s"] / alone["forward_backward"]["p99_s"]
     big = contended.get("big_forward_backward", {"n": 0})
     return {

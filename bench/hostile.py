@@ -425,14 +425,7 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
             watcher.join()
             hostile["close"]()
 
-    def summary(c: Clients) -> dict:
-        out = {"errors": c.errors[:10], "n_errors": len(c.errors)}
-        for kind, xs in c.latencies.items():
-            out[kind] = {"n": len(xs), "p50_s": percentile(xs, 0.5), "p99_s": percentile(xs, 0.99),
-                         "max_s": max(xs)}
-        return out
-
-    alone, contended = summary(phases["alone"]), summary(phases["hostile"])
+    alone, contended = phases["alone"].summary(), phases["hostile"].summary()
     nan = float("nan")
     p99 = {k: x.get("forward_backward", {}).get("p99_s", nan) for k, x in (("alone", alone), ("hostile", contended))}
     ratio = p99["hostile"] / p99["alone"]
