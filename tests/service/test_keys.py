@@ -178,31 +178,44 @@ def test_validation_counts_against_the_keys_tokens_per_minute(make_server):
         succeeded(http, op)
 
 
-def test_a_key_has_at_most_two_requests_validated_at_once(make_server, monkeypatch):
-    """Validation runs on request threads: one key may hold two of them at once, a third request of its own is a
-    429 (concurrent_validations), never a third thread; another key's request is validated meanwhile."""
+def test_a_key_has_at_most_two_custom_loss_requests_validated_at_once(make_server, monkeypatch):
+    """A custom loss's validation (its graph dry-run) runs on a request thread: one key may hold two of them at once,
+    a third of its own is a 429 (concurrent_validations), never a third thread; another key's request is validated
+    meanwhile, and so is a built-in loss's request of the same key (linear work: a client may pipeline those)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
+
+    from tests.engine.test_custom_loss import definition, weighted_nll
 
     server = make_server(api_keys=[KEY, "k-other"])
     backend = server.app.state.whitney.scheduler.backend
     entered, release, real = threading.Semaphore(0), threading.Event(), backend.validate
 
-    def held(request, backward):  # a validation that lasts until the test lets it end
-        entered.release()
-        release.wait(30)
+    def held(request, backward):  # a custom loss's validation lasts until the test lets it end
+        if request.loss_fn == "custom":
+            entered.release()
+            release.wait(30)
         return real(request, backward)
+
+    def custom_fb(http, run: str, seq: int):
+        loss_id = mine if http is not other else theirs_loss
+        body = {"seq_id": seq, "data": sft_batch(), "loss_function": "custom", "loss_config": {"loss_id": loss_id}}
+        return http.post(f"/v1/runs/{run}/forward_backward", json=body)
 
     monkeypatch.setattr(backend, "validate", held)
     with server.http(KEY) as http, server.http("k-other") as other:
-        run, theirs = new_run(http, session(http)), new_run(other, session(other))
+        mine = expect(http.post("/v1/custom_losses", json=definition(weighted_nll, {"logprobs": 1, "weights": 1})), 201)["id"]
+        theirs_loss = expect(other.post("/v1/custom_losses", json=definition(weighted_nll, {"logprobs": 1, "weights": 1})), 201)["id"]
+        run, plain, theirs = new_run(http, session(http)), new_run(http, session(http)), new_run(other, session(other))
         clients = [server.http(KEY) for _ in range(2)]
         with ThreadPoolExecutor(3) as pool:
-            first = [pool.submit(fb, c, run, seq) for c, seq in zip(clients, (0, 1))]
+            first = [pool.submit(custom_fb, c, run, seq) for c, seq in zip(clients, (0, 1))]
             assert entered.acquire(timeout=30) and entered.acquire(timeout=30), "two validations began"
             try:
-                quota_error(fb(http, run, 2), "concurrent_validations", quotas.VALIDATIONS_PER_KEY)
-                another = pool.submit(fb, other, theirs, 0)
+                quota_error(custom_fb(http, run, 2), "concurrent_validations", quotas.VALIDATIONS_PER_KEY)
+                for seq in range(3):  # built-in losses of the same key are not held back
+                    expect(fb(http, plain, seq), 202)
+                another = pool.submit(custom_fb, other, theirs, 0)
                 assert entered.acquire(timeout=30), "another key's validation waits for nothing"
             finally:
                 release.set()
@@ -210,7 +223,7 @@ def test_a_key_has_at_most_two_requests_validated_at_once(make_server, monkeypat
                 succeeded(http if f is not another else other, expect(f.result(), 202)["id"])
         for c in clients:
             c.close()
-        expect(fb(http, run, 2), 202)  # the slots are free again
+        expect(custom_fb(http, run, 2), 202)  # the slots are free again
 
 
 def test_a_keys_own_limits_override_the_servers(make_server, capsys):

@@ -26,8 +26,9 @@ from whitney.service.store.keys import KeyRing
 WINDOW = 60.0  # seconds of the tokens-per-minute window
 HELD_RETRY = 10  # Retry-After (s) when usage drops only as the client ends something (sessions, runs)
 QUEUE_RETRY = 1  # Retry-After (s) when operations ahead are running
-# Forward requests of one key validated at once in this process, each on a request thread (a custom loss's graph
-# is dry-run then): more would let one key hold the threadpool every other key's requests need.
+# Custom-loss forward requests of one key validated at once in this process, each on a request thread (the loss's
+# graph is dry-run then): more would let one key hold the threadpool every other key's requests need. A built-in
+# loss's validation is linear in its (already bounded) tokens and is not counted here: a client may pipeline them.
 VALIDATIONS_PER_KEY = 2
 
 
@@ -112,27 +113,30 @@ class Quotas:
             self._spend(owner, tokens, limits.max_tokens_per_minute)
 
     @contextmanager
-    def validating(self, owner: str, tokens: int):
-        """Around a forward request's validation on a request thread (Backend.validate: a custom loss's graph runs
-        then), which counts against the key's share: at most VALIDATIONS_PER_KEY of a key's at once (beyond: 429,
-        field concurrent_validations), and its `tokens` count against max_tokens_per_minute now, before the work,
-        whether it then passes or not (the operation it becomes does not count them again: enqueue's `counted`)."""
+    def validating(self, owner: str, tokens: int, custom: bool):
+        """Around a forward request's validation on a request thread (Backend.validate), which counts against the
+        key's share: its `tokens` count against max_tokens_per_minute now, before the work, whether it then passes
+        or not (the operation it becomes does not count them again: enqueue's `counted`); and when its loss is
+        `custom` (its graph runs then), at most VALIDATIONS_PER_KEY of a key's at once (beyond: 429, field
+        concurrent_validations)."""
+        slots = self._validating if custom else {}  # a built-in loss takes no slot
         with self._lock:
-            held = self._validating.get(owner, 0)
+            held = slots.get(owner, 0)
             if held >= VALIDATIONS_PER_KEY:
-                raise QuotaExceeded(f"this key may have {VALIDATIONS_PER_KEY} forward requests validated at once and "
-                                    f"has {held}; wait for one to be answered", field="concurrent_validations",
-                                    limit=VALIDATIONS_PER_KEY, usage=held, retry_after=QUEUE_RETRY)
-            self._validating[owner] = held + 1
+                raise QuotaExceeded(f"this key may have {VALIDATIONS_PER_KEY} custom-loss forward requests validated "
+                                    f"at once and has {held}; wait for one to be answered",
+                                    field="concurrent_validations", limit=VALIDATIONS_PER_KEY, usage=held,
+                                    retry_after=QUEUE_RETRY)
+            slots[owner] = held + 1
         try:
             if tokens:
                 self._spend(owner, tokens, self.limits(owner).max_tokens_per_minute)
             yield
         finally:
             with self._lock:
-                self._validating[owner] -= 1
-                if not self._validating[owner]:
-                    del self._validating[owner]
+                slots[owner] -= 1
+                if not slots[owner]:
+                    del slots[owner]
 
     # ---- tokens per minute ------------------------------------------------------------------------
 

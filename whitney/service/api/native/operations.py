@@ -87,7 +87,7 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     # the key's share (Quotas.validating): its tokens per minute, passed or not, and a bound on validations at once.
     counted = sum(lengths)
     try:
-        with st.quotas.validating(who, counted):
+        with st.quotas.validating(who, counted, custom=body.loss_function == custom_losses.CUSTOM):
             total = st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
