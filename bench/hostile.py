@@ -288,7 +288,7 @@ def hostile_attacks(url: str, models: dict[str, str], quick: bool, tally: Tally)
         "jpeg_vision": lambda: sample("jpeg_vision", {
             "base_model": vision, "prompt": word + [image_chunk(many_scans, "jpeg")], "max_tokens": 1}),
         "jpeg_vision_max": lambda: sample("jpeg_vision_max", {
-            "base_model": vision, "prompt": word + [image_chunk(most_scans, "jpeg")] * (2 if quick else 8),
+            "base_model": vision, "prompt": (word + [image_chunk(most_scans, "jpeg")]) * (2 if quick else 8),
             "max_tokens": 1}),
         "expected_tokens": lambda: sample("expected_tokens", {
             "base_model": vision, "prompt": word + [image_chunk(png, "png", expected_tokens=10**9)], "max_tokens": 1}),

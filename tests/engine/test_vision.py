@@ -307,6 +307,9 @@ def test_refusals_name_the_datum_chunk_and_counts(engine, vision_dirs, tiny_llam
     _refused(lambda: engine.compute_logprobs([corrupt], base_model=path), "chunk 1", "cannot be decoded")
     wrong = [_tokens(2, 1), ImageInput(draw_image(64, 64, 1, "jpeg"), "png")]
     _refused(lambda: engine.compute_logprobs([wrong], base_model=path), "chunk 1", "declared png", "JPEG")
+    for adjacent in ([_tokens(2, 1), _image(1), _image(2)], [_tokens(2, 1), _image(1), [], _image(2)]):
+        _refused(lambda: engine.compute_logprobs([adjacent], base_model=path), f"chunk {len(adjacent) - 1}",
+                 "right after another image")
     placeholder = [_tokens(2, 1) + [base.vision.image_token_id], _image(1)]
     _refused(lambda: engine.compute_logprobs([placeholder], base_model=path), "image placeholder")
     e = _refused(lambda: engine.compute_logprobs([[_tokens(2, 1), _image(1)]], base_model=tiny_llama),

@@ -229,7 +229,15 @@ def test_images_that_are_not_what_they_say_are_refused_naming_the_chunk(srv, run
              "bad base64": {"type": "image", "data": "not base64!", "format": "png"}}[case]
     words = {"jpeg declared png": ("declared format 'png'", "JPEG"),
              "png declared jpeg": ("declared format 'jpeg'", "PNG"), "bad base64": ("base64",)}.get(case, ("decode",))
-    refused(srv, run_id, [{"type": "encoded_text", "tokens": [1]}, image_chunk(png), chunk], 400, "[2]", *words)
+    text = {"type": "encoded_text", "tokens": [1]}
+    refused(srv, run_id, [text, image_chunk(png), text, chunk], 400, "[3]", *words)
+
+
+def test_two_images_without_text_between_are_refused_naming_the_chunk(srv, run_id):
+    """The models read a run of image placeholders as one image (Qwen's mrope grid, Gemma 3's image block): two
+    adjacent images were an internal error; they are the client's to separate with text."""
+    text, image = {"type": "encoded_text", "tokens": [1]}, image_chunk(draw_image(40, 40, 3))
+    refused(srv, run_id, [text, image, image], 400, "[2]", "right after another image", field="[2]")
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's, for the 100 MP header
@@ -240,9 +248,9 @@ def test_image_limits_are_413s_naming_the_limit_the_chunk_and_the_value(srv, run
             "50000")
     refused(srv, run_id, [text, image_chunk(draw_image(200, 100))], 413, "max_image_pixels", "[1]", "200x100",
             "20000", "16384")
-    refused(srv, run_id, [small] * 4, 413, "max_request_images", "[3]", "3")
+    refused(srv, run_id, [small, text] * 3 + [small], 413, "max_request_images", "[6]", "3")
     noisy = [image_chunk(noise_png(128, seed)) for seed in (1, 2)]
-    refused(srv, run_id, [text, *noisy], 413, "max_request_image_bytes", "[2]", "60000")
+    refused(srv, run_id, [text, noisy[0], text, noisy[1]], 413, "max_request_image_bytes", "[3]", "60000")
     # A header claiming 20000 x 20000 (400 MP: over Pillow's own bound) or 10000 x 10000: refused from the
     # header, never decoded.
     for side in (20_000, 10_000):
@@ -250,12 +258,13 @@ def test_image_limits_are_413s_naming_the_limit_the_chunk_and_the_value(srv, run
 
 
 def test_image_limits_count_across_a_requests_datums(srv, run_id):
-    img = image_chunk(draw_image(16, 16))
+    img, text = image_chunk(draw_image(16, 16)), {"type": "encoded_text", "tokens": [1]}
     before = operations(srv)
     with srv.http() as http:
-        r = http.post(f"/v1/runs/{run_id}/forward", json={"seq_id": 0, "data": [datum([img, img]), datum([img, img])]})
+        r = http.post(f"/v1/runs/{run_id}/forward", json={"seq_id": 0, "data": [datum([img, text, img]),
+                                                                                  datum([img, text, img])]})
     assert r.status_code == 413 and "max_request_images" in r.json()["message"], r.text
-    assert r.json()["datum_index"] == 1 and r.json()["field"] == "data[1].input.chunks[1]"
+    assert r.json()["datum_index"] == 1 and r.json()["field"] == "data[1].input.chunks[2]"
     nothing_stored(srv, run_id, before)
 
 

@@ -38,6 +38,12 @@ class ImageInput:
     expected_tokens: int | None = None
 
 
+# Two images need text between them: the models read a run of image placeholders as one image (Qwen's mrope grid,
+# Gemma 3's bidirectional image block). The refusal of an image chunk right after another, wherever it is checked.
+IMAGE_AFTER_IMAGE = "is an image right after another image; separate images with text (the model's image start " \
+                    "and end tokens)"
+
+
 @dataclass
 class Datum:
     # Flat token ids, or chunks concatenated in order: token chunks (lists of ids) and images.

@@ -14,7 +14,8 @@ makes of that image (see docs/MODELS.md, "Images"):
   gemma3             mm_tokens_per_image positions of <image_soft_token>; <start_of_image>, <end_of_image>
                      (and the processor's blank lines) are text the client writes
 This is the Tinker SDK's `ModelInput.length` convention (an image counts its `expected_tokens`). A token chunk
-may not hold the placeholder id itself (it would take an image's place).
+may not hold the placeholder id itself (it would take an image's place), and two images need text between them
+(the models read a run of placeholders as one image).
 
 A pass with image rows (general.GeneralModel.forward_hidden) runs the inner module's own forward with
 `model_inputs`: its image features scattered at the placeholder positions (`get_image_features`), Qwen's 3-D mrope
@@ -35,7 +36,7 @@ import torch
 
 from whitney.errors import InvalidInput
 from whitney.protocol.config import shown_name
-from whitney.protocol.training import ImageInput
+from whitney.protocol.training import IMAGE_AFTER_IMAGE, ImageInput
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3")  # tested in tests/engine/test_vision.py; others are served as text
@@ -162,6 +163,10 @@ class ImageExpander:
         images: list[ProcessedImage] = []
         for c, chunk in enumerate(seq):
             if isinstance(chunk, ImageInput):
+                if flat and self.placeholder is not None and flat[-1] == self.placeholder:
+                    # The models' position and attention rules take a run of placeholders as one image.
+                    raise InvalidInput(f"{_subject(index)}: chunk {c} {IMAGE_AFTER_IMAGE}", field=_field(index),
+                                       datum_index=index)
                 image = self.expand(chunk, index, c)
                 image.start = len(flat)
                 flat.extend([self.placeholder] * image.tokens)

@@ -42,7 +42,7 @@ from PIL import Image, UnidentifiedImageError
 
 from whitney.errors import InvalidInput, TooLarge
 from whitney.protocol.backend import ModelInfo
-from whitney.protocol.training import Datum, ImageInput
+from whitney.protocol.training import IMAGE_AFTER_IMAGE, Datum, ImageInput
 from whitney.service.scheduling.limits import Limits
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # wire name -> Pillow's name
@@ -237,11 +237,17 @@ def model_input(chunks: list[dict], where: str, budget: ImageBudget) -> Chunks:
     """Wire chunks ({type, ...} dicts, already shaped by the schema) as the engine's chunks: token lists and
     ImageInputs. `where` names the chunk list in errors ("data[2].input.chunks")."""
     out: Chunks = []
+    after_image = False  # only empty text since the last image
     for j, chunk in enumerate(chunks):
         at = f"{where}[{j}]"
         kind = chunk.get("type")
         if kind in (IMAGE, POINTER):
+            if after_image:
+                raise InvalidInput(f"{at} {IMAGE_AFTER_IMAGE}", field=at)
+            after_image = True
             budget.admit_image(at)  # before the bytes are decoded from base64 or read from disk
+        elif kind == TEXT and chunk["tokens"]:
+            after_image = False
             check_expected_tokens(chunk.get("expected_tokens"), at, budget)
         if kind == TEXT:
             out.append(list(chunk["tokens"]))
