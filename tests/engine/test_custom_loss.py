@@ -26,6 +26,7 @@ from whitney.engine.losses import custom_run
 from whitney.engine.losses.builtin import custom, loss_spec
 from whitney.engine.losses.custom import MAX_NODES, compile_loss
 from whitney.errors import InvalidInput
+from whitney.protocol.training import Checked
 
 # ---- losses a user would write (per datum; traced by the SDK) -------------------------------------
 
@@ -528,7 +529,9 @@ def test_the_work_budget_adds_up_over_a_requests_datums(engine, tiny_llama):
     assert cost > custom_run.WORK_PER_LOGPROB  # a one-token datum costs more than it brings
     planning = custom_run.PLAN_WORK * len(program.steps)  # once: every datum has the same shape
     fits = (custom_run.WORK_BASE - planning) // (cost - custom_run.WORK_PER_LOGPROB)  # <= budget(n)
-    assert engine.validate(ForwardRequest(run, one_token_data(fits), "custom", spec), backward=True) == fits
+    checked = engine.validate(ForwardRequest(run, one_token_data(fits), "custom", spec), backward=True)
+    # Each datum: its one position, and its graph's work as positions' worth (the scheduler's share).
+    assert checked == Checked([1] * fits, [1 + custom_run.positions_worth(cost)] * fits)
     over = fits + 1
     with pytest.raises(InvalidInput) as e:
         engine.validate(ForwardRequest(run, one_token_data(over), "custom", spec), backward=True)

@@ -270,7 +270,7 @@ def test_only_idle_runs_are_paged_and_validate_never_pages_in(tiny_llama, tmp_pa
     assert engine.page_out_idle() == 1 and not engine.pager.settle()
     assert set(engine.pager.paged) == {"idle"} and _counts(engine) == {"in_memory": 1, "paged_out": 1}
     # Validation (the HTTP thread's) reads the base only: the run stays out.
-    assert engine.validate(ForwardRequest("idle", _data(0)), backward=True) == 13
+    assert engine.validate(ForwardRequest("idle", _data(0)), backward=True).positions_D == [8, 5]
     assert "idle" in engine.pager.paged
     engine.forward_backward("idle", _data(0))
     assert _counts(engine) == {"in_memory": 2, "paged_out": 0}

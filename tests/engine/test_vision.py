@@ -11,7 +11,7 @@ from tests.images import draw_image
 from tests.models import VISION_KINDS, built_on_first_use, make_tiny_vision_model, unique_id
 from whitney.engine import Datum, Engine, LoraConfig
 from whitney.engine.families.vision import expander
-from whitney.protocol.training import ImageInput
+from whitney.protocol.training import Checked, ImageInput
 
 ATOL = 1e-5
 LORA = LoraConfig(rank=4, alpha=8.0, seed=3)
@@ -300,7 +300,7 @@ def test_refusals_name_the_datum_chunk_and_counts(engine, vision_dirs, tiny_llam
     from whitney.protocol.training import ForwardRequest
 
     request = ForwardRequest(None, [Datum(ok, {"target_tokens": [0] * (3 + n)})], base_model=path)
-    assert engine.validate(request, backward=False) == 3 + n  # the expanded length
+    assert engine.validate(request, backward=False) == Checked([3 + n], [3 + n])  # the expanded length
     _refused(lambda: engine.forward(None, [Datum(ok, {"target_tokens": [0] * 3})], base_model=path),
              "datum 0", f"[{3 + n}]", "[3]")  # targets must have the expanded length
     corrupt = [_tokens(2, 1), ImageInput(draw_image(64, 64, 1)[:60], "png")]

@@ -14,6 +14,7 @@ from whitney.engine import Datum, ForwardRequest, Weights
 from whitney.protocol.backend import Failure
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SamplingParams
+from whitney.protocol.training import Checked
 
 ray = pytest.importorskip("ray")
 CONFIG = EngineConfig(device="cpu", compute_dtype="float32")
@@ -41,7 +42,7 @@ def test_images_through_ray_equal_in_process(backends):
     assert remote.models["vl"].vision and local.models["vl"].vision
     n = 5 + 4 + 4 + 4 + 3  # _chunked: 12 text tokens and two 4-position images
     request = ForwardRequest(None, [Datum(_chunked(1), {"target_tokens": _tokens(n, 2)})], base_model="vl")
-    assert remote.validate(request, False) == local.validate(request, False) == n
+    assert remote.validate(request, False) == local.validate(request, False) == Checked([n], [n])
     (a,), (b,) = remote.run_batch([request], False), local.run_batch([request], False)
     assert not isinstance(a, Failure) and not isinstance(b, Failure), (a, b)
     torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs),

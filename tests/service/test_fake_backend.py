@@ -9,7 +9,7 @@ sampling by request id with failures isolated, a backend bug answered as a serve
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.backend import Backend, Failure, ModelInfo, PackageKind, Residency, ServedBackend, Weights
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleResult, SamplingParams
+from whitney.protocol.training import Checked
 from whitney.service.scheduling.jobs import ForwardJob, OptimJob, SaveJob
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.store.database import Store, digest
@@ -57,8 +58,11 @@ class FakeBackend:
     def adapter_bytes(self, base_model, lora) -> int:
         return 16 * lora.rank
 
-    def validate(self, request, backward) -> int:
-        return sum(len(d.token_ids) for d in request.data)
+    def validate(self, request, backward) -> Checked:
+        return Checked([len(d.token_ids) for d in request.data], [len(d.token_ids) for d in request.data])
+
+    def image_tokens(self, base_model, chunks) -> list[int]:
+        raise InvalidInput("the fake backend's models take no images", field="chunks")
 
     def create_run(self, run_id, base_model, lora, resume_path=None, resume_with_optimizer=False) -> None:
         self.calls.append(("create_run", run_id))
@@ -215,7 +219,7 @@ def test_both_backends_implement_the_protocol(tiny_llama):
     assert isinstance(InProcessBackend(Engine()), ServedBackend)
     # What operations call stays narrow: housekeeping and tokenizers are interfaces of their own.
     methods = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
-    assert len(methods) == 15 and "models" in vars(Backend), methods
+    assert len(methods) == 16 and "models" in vars(Backend), methods
 
 
 def test_seq_id_order_and_cross_run_batches(fake):
@@ -276,6 +280,23 @@ def test_large_operation_in_micro_batches_with_a_staged_gradient(fake):
     parts = [c[1][0] for c in backend.calls if c[0] == "run_batch"]
     assert [n for _, n, _ in parts] == [2, 2, 1] and all(stage == op.id for _, _, stage in parts)
     assert ("commit", "a", op.id) in backend.calls and backend.grads["a"] == 20.0
+
+
+def test_a_costly_operation_is_shared_out_by_its_cost_not_its_tokens(fake):
+    """A custom loss's graph work makes its datums cost more than their tokens (Checked.cost_D): the engine is shared
+    out by cost, so 4 one-token datums costing 5 each run as micro-batches (budget 10), another run's cheap
+    operation beside the first; by their tokens alone they would have run in one call."""
+    backend, scheduler, open_run, submit = fake
+    open_run("a")
+    open_run("b")
+    costly = replace(fb(1, 1, 1, 1), costs=[5, 5, 5, 5])
+    with scheduler._lock:
+        ops = [submit("a", 0, "forward_backward", costly), submit("b", 0, "forward_backward", fb(2))]
+    done = [wait(scheduler.store, op) for op in ops]
+    assert [op.status for op in done] == ["succeeded"] * 2 and done[0].result["loss"] == 4.0
+    calls = [sorted((run, n) for run, n, _ in c[1]) for c in backend.calls if c[0] == "run_batch"]
+    assert calls[0] == [("a", 1), ("b", 1)], calls  # a's share of the budget (10 / 2) holds one of its datums
+    assert sum(n for c in calls for run, n in c if run == "a") == 4 and len(calls) >= 3, calls
 
 
 def test_a_refused_micro_batch_discards_and_names_the_datum(fake):

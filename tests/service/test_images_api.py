@@ -523,3 +523,35 @@ def test_sample_with_an_image_and_train_on_it(vsrv, vision_model, dirs):
         tuned = wait(http, http.post("/v1/samples", json={"run_id": run, "version": version, "prompt": prompt,
                                                          "max_tokens": 2, "seed": 0}).json())
     assert len(tuned["sequences"][0]["tokens"]) >= 1
+
+
+def test_images_are_decoded_on_the_request_thread_never_on_the_worker(vsrv, vision_model, monkeypatch):
+    """Issue 31: a sample of large images held the worker thread (decoding and processing them) while every run's
+    training waited behind it. Each image is decoded and processed once, on the request's thread, before the
+    request is queued (a sample's and a scoring's too, so their expanded length is known then), and the worker finds
+    it processed: the worker thread never decodes one."""
+    import threading
+
+    from whitney.engine.families.vision import ImageExpander
+    from whitney.service.scheduling.lanes import Worker
+
+    decoded, real = [], ImageExpander._process
+
+    def process(self, *args):
+        decoded.append(threading.current_thread().name)
+        return real(self, *args)
+
+    images = [draw_image(64, 64, seed) for seed in (901, 902, 903)]  # processed by no test before
+    k = image_positions(vsrv, vision_model, images[2])
+    monkeypatch.setattr(ImageExpander, "_process", process)
+    fresh = [image_chunk(data) for data in images]
+    text = {"type": "encoded_text", "tokens": [1, 2]}
+    with vsrv.http() as http:  # wait(): each succeeds
+        wait(http, http.post("/v1/samples", json={"base_model": vision_model, "prompt": [text, fresh[0]],
+                                                  "max_tokens": 2}).json())
+        wait(http, http.post("/v1/logprobs", json={"base_model": vision_model,
+                                                   "sequences": [[text, fresh[1], text]]}).json())
+        run = new_run(http, vision_model)
+        wait(http, http.post(f"/v1/runs/{run}/forward_backward", json={"seq_id": 0,
+                                                                       "data": [vl_datum(fresh[2], k)]}).json())
+    assert len(decoded) == 2 and Worker.TRAINING not in decoded and Worker.SAMPLING not in decoded, decoded

@@ -21,7 +21,7 @@ from whitney.errors import InvalidInput
 from whitney.protocol.backend import BackendSpec, Failure, ModelInfo, PackageKind, Residency, Weights
 from whitney.protocol.config import EngineConfig, check_threads, usable_cpus
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
-from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, LoraConfig
+from whitney.protocol.training import AdamParams, Checked, ForwardRequest, ForwardResult, LoraConfig
 
 BYTES_PER_PARAMETER = 16  # a float32 LoRA weight, AdamW's two moments, and the gradient accumulator
 
@@ -121,8 +121,11 @@ class InProcessBackend(chat.TextMethods, LossMethods):
     def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int:
         return adapter_bytes(self.engine.load_model(base_model).linear_shapes, lora, self.engine.max_lora_rank)
 
-    def validate(self, request: ForwardRequest, backward: bool) -> int:
+    def validate(self, request: ForwardRequest, backward: bool) -> Checked:
         return self.engine.validate(request, backward)
+
+    def image_tokens(self, base_model: str, chunks: list) -> list[int]:
+        return self.engine.image_tokens(base_model, chunks)
 
     def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,
                    resume_with_optimizer: bool = False) -> None:

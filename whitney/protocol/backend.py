@@ -4,12 +4,17 @@ Everything that crosses it is a dataclass of lists, numbers and strings (no tens
 no exception objects in results), so a backend can live in this process (backends/in_process.py, over the
 `Engine`) or in other ones (backends/ray: a proxy to actors) behind the same calls. Three small interfaces:
 
-Backend, what operations call (16 methods, plus `config` and `separate_sampling`):
+Backend, what operations call (17 methods, plus `config` and `separate_sampling`):
   models                          {name: ModelInfo}: what routes read (vocabulary, context, modules, dtype, device)
   losses()                        the loss table as plain data: each loss's inputs, config keys and defaults
   check_custom_loss(definition)   a custom loss graph checked against the allow-lists (InvalidInput names the node)
   adapter_bytes(base, lora)       memory one run of that LoRA config holds (validates the config)
-  validate(request, backward)     check a forward request without running it; its token count
+  validate(request, backward)     check a forward request without running it -> Checked: each datum's positions
+                                  and its cost (positions, plus a custom loss's graph work), which the
+                                  scheduler shares the engine by
+  image_tokens(base, chunks)      the positions each image chunk of a prompt or sequence takes: each image decoded
+                                  and processed on the calling thread (a request's), kept for the request that
+                                  carries it, so the worker that runs it does not decode it again
   create_run / delete_run         a run's adapter (optionally loaded from a checkpoint), and its end
   run_batch(requests, backward)   forward(_backward) of several runs' requests: a result or a Failure each
   settle_gradients(run_id, stage, keep)   a micro-batched operation's staged gradient, added (keep) or dropped
@@ -55,7 +60,7 @@ from typing import Protocol, runtime_checkable
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
-from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, LoraConfig
+from whitney.protocol.training import AdamParams, Checked, ForwardRequest, ForwardResult, LoraConfig
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,8 @@ class Backend(Protocol):
     def losses(self) -> dict: ...
     def check_custom_loss(self, definition: dict) -> None: ...
     def adapter_bytes(self, base_model: str, lora: LoraConfig) -> int: ...
-    def validate(self, request: ForwardRequest, backward: bool) -> int: ...
+    def validate(self, request: ForwardRequest, backward: bool) -> Checked: ...
+    def image_tokens(self, base_model: str, chunks: list) -> list[int]: ...
     def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,
                    resume_with_optimizer: bool = False) -> None: ...
     def delete_run(self, run_id: str) -> None: ...

@@ -44,6 +44,17 @@ IMAGE_AFTER_IMAGE = "is an image right after another image; separate images with
                     "and end tokens)"
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What Backend.validate found of a forward request, per datum D: its positions once its images are expanded,
+    and its cost in positions' worth of engine work, which the scheduler shares out among runs: its positions,
+    plus a custom loss's graph work (engine/losses/custom_run.py: WORK_PER_POSITION elements touched count as one
+    position)."""
+
+    positions_D: list[int]
+    cost_D: list[int]
+
+
 @dataclass
 class Datum:
     # Flat token ids, or chunks concatenated in order: token chunks (lists of ids) and images.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from whitney.protocol.backend import Failure, PackageKind, Residency, Weights
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
-from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, LoraConfig
+from whitney.protocol.training import AdamParams, Checked, ForwardRequest, ForwardResult, LoraConfig
 
 if TYPE_CHECKING:
     from whitney.backends.in_process import InProcessBackend
@@ -37,12 +37,21 @@ class Raised:
 
 
 @dataclass(frozen=True)
-class Validate(Call[int]):
+class Validate(Call[Checked]):
     request: ForwardRequest
     backward: bool
 
-    def on(self, backend: InProcessBackend) -> int:
+    def on(self, backend: InProcessBackend) -> Checked:
         return backend.validate(self.request, self.backward)
+
+
+@dataclass(frozen=True)
+class ImageTokens(Call[list[int]]):
+    base_model: str
+    chunks: list
+
+    def on(self, backend: InProcessBackend) -> list[int]:
+        return backend.image_tokens(self.base_model, self.chunks)
 
 
 @dataclass(frozen=True)

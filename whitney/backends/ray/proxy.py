@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from whitney.backends.in_process import adapter_bytes
 from whitney.backends.ray.calls import (
-    Call, ComputeLogprobs, CountResidency, CreateRun, DeleteRun, LoadState, OptimSteps, PageOutIdle, RunBatch, Save,
-    SettleGradients, TakeLostRuns, TokenizerFiles, Validate)
+    Call, ComputeLogprobs, CountResidency, CreateRun, DeleteRun, ImageTokens, LoadState, OptimSteps, PageOutIdle,
+    RunBatch, Save, SettleGradients, TakeLostRuns, TokenizerFiles, Validate)
 from whitney.backends.ray.placement import Placement
 from whitney.backends.ray.sampling import Sampling
 from whitney.backends.ray.supervisor import Supervisor
@@ -43,7 +43,7 @@ from whitney.errors import NotFound, Unavailable, WhitneyError
 from whitney.protocol.backend import Failure, ModelInfo, PackageKind, Residency, Weights, WorkerLost
 from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
-from whitney.protocol.training import AdamParams, ForwardRequest, ForwardResult, LoraConfig
+from whitney.protocol.training import AdamParams, Checked, ForwardRequest, ForwardResult, LoraConfig
 
 __all__ = ["Placement", "RayBackend"]
 
@@ -105,12 +105,17 @@ class RayBackend(chat.TextMethods, LossMethods):
         info = self.supervisor.models[self.supervisor.model(base_model)]
         return adapter_bytes(info.linear_shapes, lora, self.config.max_lora_rank)
 
-    def validate(self, request: ForwardRequest, backward: bool) -> int:
+    def validate(self, request: ForwardRequest, backward: bool) -> Checked:
         trainer = self.supervisor.trainer(request.run_id, request.base_model)
         info = self.supervisor.models[trainer.model]
         if info.vision and _has_images(request):  # the model's own processor expands them: in the worker
             return self.supervisor.call(trainer, Validate(request, backward))
-        return sum(d.length for d in check_request(request, backward, info.vocab_size, info.max_context).datums)
+        return check_request(request, backward, info.vocab_size, info.max_context).checked()
+
+    def image_tokens(self, base_model: str, chunks: list) -> list[int]:
+        """Expanded by the model's trainer (its processor); a sampler replica decodes the image again."""
+        trainer = self.supervisor.trainer(None, base_model)
+        return self.supervisor.call(trainer, ImageTokens(trainer.model, chunks))
 
     def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,
                    resume_with_optimizer: bool = False) -> None:

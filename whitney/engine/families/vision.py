@@ -29,8 +29,11 @@ Shape legend: B rows, T positions, I images of a pass, P patches of an image, D 
 
 from __future__ import annotations
 
+import hashlib
 import io
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,8 +42,57 @@ from whitney.protocol.config import shown_name
 from whitney.protocol.training import IMAGE_AFTER_IMAGE, ImageInput
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
+CACHED_PIXEL_BYTES = 256 * 2**20  # processed images kept per base model (ProcessedImages)
 FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3")  # tested in tests/engine/test_vision.py; others are served as text
 FIELD = "model_input"
+
+
+@dataclass
+class ProcessedImage:
+    """One image after the model's processor, and where it sits in its expanded sequence."""
+
+    pixel_values: torch.Tensor  # qwen: [P, C * temporal_patch * patch^2]; gemma3: [1, 3, H, W]
+    grid_thw: torch.Tensor | None  # qwen: [3] patches in time, height, width; gemma3: None
+    tokens: int  # positions it occupies
+    start: int = 0  # its first position in the expanded sequence
+
+
+class ProcessedImages:
+    """A base model's processed images by content (the encoded bytes' SHA-256 and format), the most recently used
+    kept up to `max_bytes` of pixel values: an image a request thread decoded and processed (a forward's
+    validation, a prompt's `image_tokens`) is not decoded again by the worker that runs the request. Thread-safe;
+    each `get` is a copy of its own (`start` is per sequence; the tensors are shared, never written)."""
+
+    def __init__(self, max_bytes: int = CACHED_PIXEL_BYTES):
+        self.max_bytes = max_bytes
+        self._images: OrderedDict[tuple[bytes, str], ProcessedImage] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(image: ImageInput) -> tuple[bytes, str]:
+        return hashlib.sha256(image.data).digest(), image.format
+
+    def get(self, key: tuple[bytes, str]) -> ProcessedImage | None:
+        with self._lock:
+            found = self._images.get(key)
+            if found is None:
+                return None
+            self._images.move_to_end(key)
+        return replace(found, start=0)
+
+    def put(self, key: tuple[bytes, str], image: ProcessedImage) -> None:
+        size = image.pixel_values.numel() * image.pixel_values.element_size()
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._images:
+                return
+            self._images[key] = replace(image, start=0)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._images.popitem(last=False)
+                self._bytes -= old.pixel_values.numel() * old.pixel_values.element_size()
 
 
 @dataclass
@@ -52,16 +104,7 @@ class VisionModel:
     image_processor: object
     image_token_id: int
     tokens_per_image: int | None = None  # gemma3: fixed; qwen: from each image's grid
-
-
-@dataclass
-class ProcessedImage:
-    """One image after the model's processor, and where it sits in its expanded sequence."""
-
-    pixel_values: torch.Tensor  # qwen: [P, C * temporal_patch * patch^2]; gemma3: [1, 3, H, W]
-    grid_thw: torch.Tensor | None  # qwen: [3] patches in time, height, width; gemma3: None
-    tokens: int  # positions it occupies
-    start: int = 0  # its first position in the expanded sequence
+    processed: ProcessedImages = field(default_factory=ProcessedImages)
 
 
 def load_vision(path, hf: torch.nn.Module, compute_dtype: torch.dtype, device) -> VisionModel | None:
@@ -126,6 +169,19 @@ class ImageExpander:
         if image.format not in FORMATS:
             raise InvalidInput(f"{where}: image format must be one of {sorted(FORMATS)}, got {image.format!r}",
                                field=_field(index), datum_index=index)
+        key = ProcessedImages.key(image)
+        processed = self.vision.processed.get(key)
+        if processed is None:
+            processed = self._process(image, where, index)
+            self.vision.processed.put(key, processed)
+        if image.expected_tokens is not None and image.expected_tokens != processed.tokens:
+            raise InvalidInput(f"{where}: expected_tokens is {image.expected_tokens}, but the model's processor "
+                               f"expands this image to {processed.tokens} positions", field=_field(index),
+                               datum_index=index)
+        return processed
+
+    def _process(self, image: ImageInput, where: str, index: int | None) -> ProcessedImage:
+        """Decode an image with Pillow (its declared format checked) and run the model's image processor on it."""
         from PIL import Image
 
         try:
@@ -145,10 +201,6 @@ class ImageExpander:
             processed = ProcessedImage(out["pixel_values"], grid, int(grid.prod()) // merge ** 2)
         else:
             processed = ProcessedImage(out["pixel_values"], None, int(self.vision.tokens_per_image))
-        if image.expected_tokens is not None and image.expected_tokens != processed.tokens:
-            raise InvalidInput(f"{where}: expected_tokens is {image.expected_tokens}, but the model's processor "
-                               f"expands this image to {processed.tokens} positions", field=_field(index),
-                               datum_index=index)
         return processed
 
     def flatten(self, seq, index: int | None) -> tuple[list[int], list[ProcessedImage]]:

@@ -169,10 +169,10 @@ def _custom_bind(raw: dict) -> tuple[LossSpec, dict]:
     return replace(LOSSES["custom"], inputs=inputs, required=frozenset(inputs)), {"program": program}
 
 
-def _custom_check(datums: list[PreparedDatum], config: dict) -> None:
+def _custom_check(datums: list[PreparedDatum], config: dict) -> list[int]:
     """Ranks as declared, then the graph planned on each datum's shapes (custom_run.check_budget): a node over
     a size bound or failing on those shapes, or a request over its work budget, is refused before anything
-    runs, and before the request joins a batch with other runs."""
+    runs, and before the request joins a batch with other runs. Returns each datum's graph work."""
     program = config["program"]
     for index, d in enumerate(datums):
         for name, rank in ((n, r) for n, r in program.inputs if r > 0):
@@ -182,7 +182,7 @@ def _custom_check(datums: list[PreparedDatum], config: dict) -> None:
                   field="target_tokens" if name == "logprobs" else name, datum_index=index)
     shapes = [((tuple(d.inputs["target_tokens"].shape), torch.float32),  # the learner's log-probs
                *((tuple(d.inputs[n].shape), d.inputs[n].dtype) for n, _ in program.inputs[1:])) for d in datums]
-    custom_run.check_budget(program, shapes, sum(int(d.inputs["target_tokens"].numel()) for d in datums))
+    return custom_run.check_budget(program, shapes, sum(int(d.inputs["target_tokens"].numel()) for d in datums))
 
 
 # ---- loss_config: each key once, with its default and rule; the cross-key rules --------------------

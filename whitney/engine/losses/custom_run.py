@@ -51,6 +51,9 @@ NODE_WORK = 1 << 10
 PLAN_WORK = 1 << 12
 WORK_BASE = 1 << 21
 WORK_PER_LOGPROB = 1 << 12
+# The scheduler shares the engine among runs by positions: a datum's graph work counts as this many elements
+# touched per position (a position's forward and backward on the smallest served models is worth more).
+WORK_PER_POSITION = 1 << 12
 MAX_PLANS = 1024  # per program (more datum shapes than a request can bring); past it, plans are forgotten
 
 # Ops whose result has the broadcast shape of their tensor arguments (one tensor: its own shape); their dtype,
@@ -321,26 +324,33 @@ def admit(step: Step, args: tuple, kwargs: dict, where: str) -> None:
 
 # ---- a request's budget, and one datum's run -------------------------------------------------------------
 
-def check_budget(program: Program, datums: list[tuple], logprobs: int) -> None:
+def check_budget(program: Program, datums: list[tuple], logprobs: int) -> list[int]:
     """Plan every datum (each its inputs' (shape, dtype)) and add up their cost (and PLAN_WORK per node for each
     shape the request brings), refusing at the first datum that takes the request over `budget(logprobs)`:
     InvalidInput naming the datum, the work and the budget. A datum whose plan fails is InvalidInput naming the
-    datum and the node."""
-    limit, spent, shapes = budget(logprobs), 0, set()
+    datum and the node. Returns each datum's cost (its plan's; planning is the request's, on the request thread)."""
+    limit, spent, shapes, costs = budget(logprobs), 0, set(), []
     for b, inputs in enumerate(datums):
         if inputs not in shapes:
             shapes.add(inputs)
             spent += PLAN_WORK * len(program.steps)
         try:
-            spent += plan_for(program, inputs).cost
+            costs.append(plan_for(program, inputs).cost)
         except InvalidInput as e:
             raise InvalidInput(f"datum {b}: {e.message}", field=e.field, datum_index=b) from None
+        spent += costs[-1]
         if spent > limit:
             raise InvalidInput(
                 f"datum {b}: custom loss {program.name!r} would touch {spent} elements by this datum, over the "
                 f"request's work budget of {limit} ({WORK_BASE} + {WORK_PER_LOGPROB} x its {logprobs} log-probs; "
                 f"each node costs {NODE_WORK} per datum and {PLAN_WORK} per datum shape, + the elements it reads "
                 "and makes, expanded views counted in full)", field="loss_config.graph", datum_index=b)
+    return costs
+
+
+def positions_worth(work: int) -> int:
+    """Graph work as positions' worth of engine work (rounded up), for sharing the engine among runs."""
+    return -(-work // WORK_PER_POSITION)
 
 
 def run_program(program: Program, values: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

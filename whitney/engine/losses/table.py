@@ -8,7 +8,8 @@ A `LossSpec` declares, for one loss name:
   params             its loss_config keys, each a default and a rule (`Param`)
   resolve            cross-key rules, and the config the function reads, from the checked keys
   check_row          per-datum rules (after each field's shape check); what it returns is kept per datum
-  check_datums       rules over all of a request's datums together (after check_row; custom: its work budget)
+  check_datums       rules over all of a request's datums together (after check_row; custom: its work budget);
+                     returns each datum's work beyond its positions (custom: its graph's), or None
   teacher            the input holding a teacher stream the engine runs through the same weights without
                      gradient (opsd); check_row then returns (student positions [K], teacher positions [K])
   tinker_defaults    values the Tinker protocol uses when a request names none of `params`
@@ -74,7 +75,7 @@ class LossSpec:
     # (every key's value, defaults filled; the keys the request gave) -> the config fn reads. None: as is.
     resolve: Callable[[dict[str, float], set[str]], dict] | None = None
     check_row: Callable[[PreparedDatum, int, dict], Any] | None = None
-    check_datums: Callable[[list[PreparedDatum], dict], None] | None = None
+    check_datums: Callable[[list[PreparedDatum], dict], list[int] | None] | None = None
     teacher: str | None = None
     tinker_defaults: dict[str, float] = field(default_factory=dict)
     bind: Callable[[dict], tuple[LossSpec, dict]] | None = None

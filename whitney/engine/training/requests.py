@@ -18,18 +18,27 @@ from whitney.engine.losses.builtin import loss_spec
 from whitney.engine.losses.datum import PreparedDatum, prepare_datum, to_tensor
 from whitney.engine.losses.table import SCALAR, LossSpec
 from whitney.errors import InvalidInput
-from whitney.protocol.training import Datum, ForwardRequest, ImageInput
+from whitney.engine.losses.custom_run import positions_worth
+from whitney.protocol.training import Checked, Datum, ForwardRequest, ImageInput
 
 
 @dataclass
 class CheckedRequest:
     """A request's datums as tensors (on the CPU), its loss's table entry and config (defaults filled),
-    and per datum what the entry's check_row returned (opsd: its KL pairs; None without check_row)."""
+    and per datum what the entry's check_row returned (opsd: its KL pairs; None without check_row) and the
+    engine work its loss does beyond its positions (a custom loss's graph; None: none)."""
 
     datums: list[PreparedDatum]
     spec: LossSpec
     config: dict
     rows: list[Any] | None = None
+    work: list[int] | None = None
+
+    def checked(self) -> Checked:
+        """As the Backend answers validate: each datum's positions, and its cost (custom_run.positions_worth)."""
+        positions = [d.length for d in self.datums]
+        extra = self.work or [0] * len(positions)
+        return Checked(positions, [n + positions_worth(w) for n, w in zip(positions, extra)])
 
 
 def check_request(request: ForwardRequest, backward: bool, vocab_size: int, max_context: int,
@@ -54,9 +63,8 @@ def check_request(request: ForwardRequest, backward: bool, vocab_size: int, max_
                                f"request; datum 0 has trailing shape {list(shapes[0])}, datum {i} has "
                                f"{list(s)}", field="target_tokens", datum_index=i)
     rows = [spec.check_row(d, i, config) for i, d in enumerate(datums)] if spec.check_row else None
-    if spec.check_datums:
-        spec.check_datums(datums, config)
-    return CheckedRequest(datums, spec, config, rows)
+    work = spec.check_datums(datums, config) if spec.check_datums else None
+    return CheckedRequest(datums, spec, config, rows, work)
 
 
 def _prepare(datum: Datum, index: int, spec: LossSpec, vocab_size: int, max_context: int,

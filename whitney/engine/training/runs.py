@@ -33,7 +33,7 @@ from whitney.engine.training.sharded_checkpoint import load_sharded_run
 from whitney.errors import Conflict, InvalidInput, NotFound, WhitneyError
 from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, check_optional_count
 from whitney.protocol.sampling import SampleResult, SamplingParams
-from whitney.protocol.training import AdamParams, Datum, ForwardRequest, ForwardResult, LoraConfig
+from whitney.protocol.training import AdamParams, Checked, Datum, ForwardRequest, ForwardResult, LoraConfig
 
 
 class Engine:
@@ -199,16 +199,23 @@ class Engine:
         budget = self.max_pass_mib * 2**20 // activation_bytes_per_token(base.config, base.compute_dtype)
         return plan_passes([(len(it.datums), max(d.length for d in it.datums)) for it in items], budget)
 
-    def validate(self, request: ForwardRequest, backward: bool) -> int:
+    def validate(self, request: ForwardRequest, backward: bool) -> Checked:
         """Check a request without running it (safe from another thread: it reads the run's base model only,
-        never pages the run in); return its token count."""
+        never pages the run in); return each datum's positions and cost (requests.CheckedRequest.checked)."""
         if request.run_id is not None and request.run_id in self.pager.lost:  # its paged-out state (paging.py)
             raise Conflict(self.pager.lost[request.run_id], field="run_id")
         base = (self._find_run(request.run_id).base if request.run_id is not None
                 else self.load_model(request.base_model or DEFAULT_MODEL))
-        checked = check_request(request, backward, base.config.vocab_size, base.config.max_context,
-                                vision.expander(base))
-        return sum(d.length for d in checked.datums)
+        return check_request(request, backward, base.config.vocab_size, base.config.max_context,
+                             vision.expander(base)).checked()
+
+    def image_tokens(self, base_model: str, chunks: list) -> list[int]:
+        """The positions each image chunk of a prompt or scored sequence takes on `base_model`, in order: each image
+        decoded and processed now, on the calling thread, and kept for the request that carries it
+        (vision.ProcessedImages), so the worker thread does not decode it. InvalidInput names a chunk the model's
+        processor refuses. Safe from another thread: it reads the base model only."""
+        _, images = vision.expander(self.load_model(base_model)).flatten(chunks, None)
+        return [im.tokens for im in images]
 
     def _prepare(self, request: ForwardRequest, backward: bool) -> Prepared:
         if request.run_id is None:

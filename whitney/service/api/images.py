@@ -300,23 +300,31 @@ def check_context(length: int, max_context: int, where: str = "prompt") -> None:
                            f"model's context of {max_context}", field=where)
 
 
-def stand_in(prompt: list, params, max_context: int) -> list[int]:
+def process_images(backend, base_model: str, chunks: list, where: str) -> None:
+    """Decode and process each image chunk of a prompt or scored sequence now, on this request thread
+    (Backend.image_tokens: the worker that runs the request finds it processed), and set each one's
+    expected_tokens to the positions the model's processor gives it, so the service's length checks are exact.
+    A refusal names the chunk list as `where` ("prompt", "sequences[2]")."""
+    try:
+        tokens = backend.image_tokens(base_model, chunks)
+    except InvalidInput as e:
+        if where != "prompt":
+            e.message, e.field = where + e.message.removeprefix("prompt"), where
+        raise
+    for chunk, n in zip((c for c in chunks if isinstance(c, ImageInput)), tokens):
+        chunk.expected_tokens = n
+
+
+def stand_in(prompt: list, max_context: int) -> list[int]:
     """A sample prompt as token ids for the checks the service makes before queueing it
-    (protocol.sampling.validate): each image as its expected_tokens positions, the whole checked against the
-    model's context first (so at most `max_context` ids are made). A check that needs the prompt's exact length
-    (prompt_logprobs_last_n, target_prompt_logprobs) needs every image's expected_tokens: a 400 naming the first
-    image without them."""
+    (protocol.sampling.validate): each image as its expected_tokens positions (process_images set them), the whole
+    checked against the model's context first (so at most `max_context` ids are made)."""
     if not has_images(prompt):
         return prompt
-    unsized = next((j for j, c in enumerate(prompt) if isinstance(c, ImageInput) and c.expected_tokens is None), None)
-    if unsized is not None and (params.prompt_logprobs_last_n is not None or params.target_prompt_logprobs is not None):
-        asked = "prompt_logprobs_last_n" if params.prompt_logprobs_last_n is not None else "target_prompt_logprobs"
-        raise InvalidInput(f"{asked} needs the prompt's length: give prompt chunk {unsized} its expected_tokens",
-                           field=f"prompt[{unsized}].expected_tokens")
-    check_context(sum((c.expected_tokens or 1) if isinstance(c, ImageInput) else len(c) for c in prompt), max_context)
+    check_context(known_length(prompt), max_context)
     out: list[int] = []
     for c in prompt:
-        out.extend([0] * (c.expected_tokens or 1) if isinstance(c, ImageInput) else c)
+        out.extend([0] * c.expected_tokens if isinstance(c, ImageInput) else c)
     return out
 
 
@@ -351,24 +359,6 @@ def prompt(tokens_or_chunks: list, where: str, budget: ImageBudget) -> list:
         return list(tokens_or_chunks)
     chunks = model_input(tokens_or_chunks, where, budget)
     return chunks if has_images(chunks) else _flat(chunks)
-
-
-def expanded_lengths(data: list[Datum], total: int) -> list[int]:
-    """Each datum's positions once its images are expanded, given the engine's count for them all (`total`,
-    from Backend.validate): the positions of images without expected_tokens are shared evenly among them
-    (only the micro-batch planner and the token budgets read these)."""
-    known = [known_length(d.token_ids) for d in data]
-    unsized = [sum(1 for c in d.token_ids if isinstance(c, ImageInput) and c.expected_tokens is None) for d in data]
-    left = total - sum(known)
-    if not sum(unsized) or left <= 0:
-        return known
-    each, extra = divmod(left, sum(unsized))
-    out, seen = [], 0
-    for n, u in zip(known, unsized):
-        share = each * u + max(0, min(u, extra - seen))
-        seen += u
-        out.append(n + share)
-    return out
 
 
 def _flat(ids: list) -> list[int]:

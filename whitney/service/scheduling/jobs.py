@@ -11,12 +11,19 @@ from whitney.protocol.training import AdamParams, Datum
 
 @dataclass(frozen=True)
 class ForwardJob:
-    """forward / forward_backward: datums, a loss and its config; `lengths` are the datums' tokens."""
+    """forward / forward_backward: datums, a loss and its config; `lengths` are the datums' tokens (their positions,
+    images expanded), `costs` what each is charged when the engine is shared out among runs (Checked.cost_D:
+    positions, plus a custom loss's graph work; None: its lengths)."""
 
     data: list[Datum]
     loss_fn: str
     loss_config: dict
     lengths: list[int]
+    costs: list[int] | None = None
+
+    @property
+    def shares(self) -> list[int]:
+        return self.costs if self.costs is not None else self.lengths
 
     @property
     def tokens(self) -> int:

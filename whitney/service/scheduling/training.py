@@ -106,7 +106,7 @@ class Training:
     def _shares(self, items: list[tuple[RunQueue, OperationRecord, ForwardJob]], now: float) -> list[int]:
         """How many datums of each item the next engine call runs: the least recently served first, each
         run's share reserved for a while after it last had work ready (`plan_micro_batches`)."""
-        remaining = [job.lengths[queue.progress.done if queue.progress else 0:] for queue, _, job in items]
+        remaining = [job.shares[queue.progress.done if queue.progress else 0:] for queue, _, job in items]
         waiting = {id(q) for q, _, _ in items}
         reserved = [q.active_tokens for q in self.queues.queues() if id(q) not in waiting and q.active_tokens
                     and (self.calls_made - q.active_call <= 2 or now - q.active_at <= self.recent_seconds)]
@@ -122,7 +122,7 @@ class Training:
         now = time.monotonic()
         for queue, _, job in ready:
             queue.active_call, queue.active_at = self.calls_made, now
-            queue.active_tokens = min(job.tokens, self.max_batch_tokens)
+            queue.active_tokens = min(sum(job.shares), self.max_batch_tokens)
         counts = self._shares(items, now)
         self.calls_made += 1
         starting = [op.id for (queue, op, _), count in zip(items, counts) if count and queue.progress is None]

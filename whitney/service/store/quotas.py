@@ -26,9 +26,10 @@ from whitney.service.store.keys import KeyRing
 WINDOW = 60.0  # seconds of the tokens-per-minute window
 HELD_RETRY = 10  # Retry-After (s) when usage drops only as the client ends something (sessions, runs)
 QUEUE_RETRY = 1  # Retry-After (s) when operations ahead are running
-# Custom-loss forward requests of one key validated at once in this process, each on a request thread (the loss's
-# graph is dry-run then): more would let one key hold the threadpool every other key's requests need. A built-in
-# loss's validation is linear in its (already bounded) tokens and is not counted here: a client may pipeline them.
+# Heavy checks of one key's requests at once in this process, each on a request thread (a custom loss's graph
+# dry-run, images decoded and processed): more would let one key hold the threadpool and the CPUs every other key's
+# requests need. A text request with a built-in loss is linear in its (already bounded) tokens and takes no slot: a
+# client may pipeline them.
 VALIDATIONS_PER_KEY = 2
 
 
@@ -113,18 +114,18 @@ class Quotas:
             self._spend(owner, tokens, limits.max_tokens_per_minute)
 
     @contextmanager
-    def validating(self, owner: str, tokens: int, custom: bool):
-        """Around a forward request's validation on a request thread (Backend.validate), which counts against the
-        key's share: its `tokens` count against max_tokens_per_minute now, before the work, whether it then passes
-        or not (the operation it becomes does not count them again: enqueue's `counted`); and when its loss is
-        `custom` (its graph runs then), at most VALIDATIONS_PER_KEY of a key's at once (beyond: 429, field
-        concurrent_validations)."""
-        slots = self._validating if custom else {}  # a built-in loss takes no slot
+    def validating(self, owner: str, tokens: int, heavy: bool):
+        """Around a request's check on a request thread (Backend.validate, Backend.image_tokens), which counts
+        against the key's share: its `tokens` count against max_tokens_per_minute now, before the work, whether it
+        then passes or not (the operation it becomes does not count them again: enqueue's `counted`); and when the
+        check is `heavy` (a custom loss's graph runs, images are decoded), at most VALIDATIONS_PER_KEY of a key's at
+        once (beyond: 429, field concurrent_validations)."""
+        slots = self._validating if heavy else {}  # a light check takes no slot
         with self._lock:
             held = slots.get(owner, 0)
             if held >= VALIDATIONS_PER_KEY:
-                raise QuotaExceeded(f"this key may have {VALIDATIONS_PER_KEY} custom-loss forward requests validated "
-                                    f"at once and has {held}; wait for one to be answered",
+                raise QuotaExceeded(f"this key may have {VALIDATIONS_PER_KEY} requests with a custom loss or images "
+                                    f"checked at once and has {held}; wait for one to be answered",
                                     field="concurrent_validations", limit=VALIDATIONS_PER_KEY, usage=held,
                                     retry_after=QUEUE_RETRY)
             slots[owner] = held + 1

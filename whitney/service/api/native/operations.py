@@ -84,19 +84,20 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     # loss "custom": {"loss_id": id} becomes the stored definition (routes/custom_losses.py).
     config = custom_losses.resolve(st.store, who, body.loss_function, body.loss_config)
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later. The work counts against
-    # the key's share (Quotas.validating): its tokens per minute, passed or not, and a bound on validations at once.
+    # the key's share (Quotas.validating): its tokens per minute, passed or not, and a bound on heavy checks at once.
     counted = sum(lengths)
+    heavy = body.loss_function == custom_losses.CUSTOM or with_images is not None
     try:
-        with st.quotas.validating(who, counted, custom=body.loss_function == custom_losses.CUSTOM):
-            total = st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
+        with st.quotas.validating(who, counted, heavy):
+            checked = st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
             e.field = "loss_function"
         raise
     if with_images is not None:  # the engine's processor has counted each image's positions
-        lengths = images.expanded_lengths(data, total)
-        check_operation(st.limits, lengths)
-    return submit(st, who, run_id, kind, body, ForwardJob(data, body.loss_function, config, lengths), counted)
+        check_operation(st.limits, checked.positions_D)
+    job = ForwardJob(data, body.loss_function, config, checked.positions_D, checked.cost_D)
+    return submit(st, who, run_id, kind, body, job, counted)
 
 
 @router.post("/runs/{run_id}/forward_backward", response_model=schemas.Operation, status_code=202)

@@ -68,7 +68,16 @@ def sample(body: schemas.SampleRequest, st: State, who: Owner):
                             tuple(tuple(r) for r in body.target_prompt_logprobs))
     _, base_model = resolve(st, who, body)  # first: a model without vision refuses images before any is read
     prompt = images.prompt(wire_input(body.prompt), "prompt", image_budget(st, base_model))
+    process_images(st, who, base_model, prompt, "prompt")
     return start_sample(st, who, body, prompt, params)
+
+
+def process_images(st: ServiceState, who: str, base_model: str, chunks: list, where: str) -> None:
+    """A prompt's or sequence's images decoded and processed on this request thread (images.process_images, which
+    sets their expected_tokens), as one of the key's heavy checks (Quotas.validating)."""
+    if images.has_images(chunks):
+        with st.quotas.validating(who, 0, heavy=True):
+            images.process_images(st.scheduler.backend, base_model, chunks, where)
 
 
 def image_budget(st: ServiceState, base_model: str) -> images.ImageBudget:
@@ -84,15 +93,14 @@ def wire_input(tokens_or_chunks: list) -> list:
 def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: list,
                  params: SamplingParams) -> OperationRecord:
     """Validate and queue one sampling operation; shared with the Tinker routes. `prompt`: token ids, or
-    chunks (token lists and the engine's ImageInputs, already checked by images.prompt)."""
+    chunks (token lists and the engine's ImageInputs, checked by images.prompt and sized by process_images)."""
     check_stops(st.limits, params.stop)
     weights, base_model = resolve(st, who, ref)
     if images.has_images(prompt):
         images.refuse_images(st.model_info(base_model), base_model, "prompt")
-    # A 400 now, not a failure later. An image stands as its expected_tokens positions (1 when not given; the
-    # engine checks the expanded prompt again when the request starts).
+    # A 400 now, not a failure later: an image stands as the positions its processing gave.
     info = st.model_info(base_model)
-    validate(images.stand_in(prompt, params, info.max_context), params, info, st.scheduler.backend.config.max_sequences)
+    validate(images.stand_in(prompt, info.max_context), params, info, st.scheduler.backend.config.max_sequences)
     # A 429 over the key's queued operations, counted in one step with the insert. A checkpoint read counts as its
     # reader until the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
@@ -124,10 +132,11 @@ def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
     for i, s in enumerate(body.sequences):
         try:
             sequences.append(images.prompt(wire_input(s), f"sequences[{i}]", budget))
+            process_images(st, who, base_model, sequences[-1], f"sequences[{i}]")
         except WhitneyError as e:
             e.datum_index = i
             raise
-    lengths = [images.known_length(s) for s in sequences]  # an image without expected_tokens counts 0 here
+    lengths = [images.known_length(s) for s in sequences]  # an image counts its processed positions
     check_operation(st.limits, lengths, field="sequences")
     config = st.model_info(base_model)
     for i, seq in enumerate(sequences):

@@ -8,10 +8,9 @@ from fastapi import APIRouter
 
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.sampling import MAX_TOPK_PROMPT_LOGPROBS, SamplingParams
-from whitney.protocol.training import ImageInput
 from whitney.service.api import images
 from whitney.service.api.native import schemas
-from whitney.service.api.native.sampling import resolve, start_sample
+from whitney.service.api.native.sampling import process_images, resolve, start_sample
 from whitney.service.api.tinker.common import Sampler, Tinker, TinkerBody, resolve_path, sampler_ref, served
 from whitney.service.http.deps import Owner, State
 
@@ -157,6 +156,7 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     info = st.model_info(base_model)
     prompt = images.prompt([_chunk(c, j) for j, c in enumerate(body.prompt.chunks)], "prompt.chunks",
                            images.ImageBudget(st.limits, info, base_model)) if body.prompt.chunks else []
+    process_images(st, who, base_model, prompt, "prompt.chunks")  # each image's expected_tokens: its positions
     last_n = body.prompt_logprobs_last_n
     if not 0 <= body.topk_sample_logprobs <= MAX_TOPK_PROMPT_LOGPROBS:  # the engine names it top_logprobs
         raise InvalidInput(f"topk_sample_logprobs must be from 0 to {MAX_TOPK_PROMPT_LOGPROBS}",
@@ -166,12 +166,7 @@ def asample(body: ASample, st: State, who: Owner, ts: Tinker) -> dict:
     p = body.sampling_params
     stop = None if p.stop is None else (p.stop,) if isinstance(p.stop, str) else tuple(p.stop)
     max_tokens = p.max_tokens
-    length = images.known_length(prompt)  # an image counts its expected_tokens
-    unsized = next((j for j, c in enumerate(prompt) if isinstance(c, ImageInput) and c.expected_tokens is None), None)
-    if unsized is not None and (max_tokens is None or body.target_prompt_logprobs is not None):
-        why = "max_tokens unset (sample to the end of the context)" if max_tokens is None else "target_prompt_logprobs"
-        raise InvalidInput(f"{why} needs the prompt's length: give prompt.chunks[{unsized}] its expected_tokens",
-                           field=f"prompt.chunks[{unsized}].expected_tokens")
+    length = images.known_length(prompt)  # an image counts its processed positions
     images.check_context(length, info.max_context, "prompt.chunks")  # before target rows are made from it
     if max_tokens is None:  # until a stop or the end of the context
         max_tokens = info.max_context - length

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import InvalidInput, WhitneyError
 from whitney.protocol.backend import Failure, PackageKind
-from whitney.protocol.training import AdamParams, ForwardRequest
+from whitney.protocol.training import AdamParams, Checked, ForwardRequest
 from whitney.service.api import images
 from whitney.service.api.native import schemas
 from whitney.service.api.native.operations import enqueue
@@ -156,10 +156,14 @@ async def forward_backward(request: Request, st: State, who: Owner) -> dict:
         try:  # loss "custom": the stored definition its loss_id names (a refusal fails in its turn; a store read)
             config = loss_config(st.scheduler.backend.losses(), req.loss_fn, req.loss_fn_config)
             config = await run_in_threadpool(custom_losses.resolve, st.store, who, req.loss_fn, config)
-            if any(images.has_images(d.token_ids) for d in data):
-                lengths = await run_in_threadpool(_image_lengths, st, req, data, config)
+            costs = None
+            if req.loss_fn == custom_losses.CUSTOM or any(images.has_images(d.token_ids) for d in data):
+                # The engine's processor counts each image's positions; a custom loss's graph is planned, its work
+                # counted in the run's share. Either is a heavy check, one of the key's (Quotas.validating).
+                checked = await run_in_threadpool(_heavy_check, st, who, req, data, config)
+                lengths, costs = checked.positions_D, checked.cost_D
                 check_operation(st.limits, lengths)
-            job = ForwardJob(data, req.loss_fn, config, lengths)
+            job = ForwardJob(data, req.loss_fn, config, lengths, costs)
         except WhitneyError as e:
             job = refused(e)
     op = await run_in_threadpool(submit, st, who, req.model_id, req.seq_id, kind, hashlib.sha256(raw).hexdigest(),
@@ -180,12 +184,13 @@ def _image_budget(st: ServiceState, who: str, req: proto.ForwardBackwardRequest)
     return budget
 
 
-def _image_lengths(st: ServiceState, req: proto.ForwardBackwardRequest, data: list, config: dict) -> list[int]:
-    """Each datum's positions once the engine's processor has expanded its images (the token budgets and
-    the micro-batch planner read them); an image whose expected_tokens the processor does not give is the
-    engine's InvalidInput."""
-    total = st.scheduler.backend.validate(ForwardRequest(req.model_id, data, req.loss_fn, config), not req.forward_only)
-    return images.expanded_lengths(data, total)
+def _heavy_check(st: ServiceState, who: str, req: proto.ForwardBackwardRequest, data: list, config: dict) -> Checked:
+    """Backend.validate of a request with images or a custom loss, as one of the key's heavy checks (its tokens are
+    counted when it is queued): each datum's positions (images expanded) and cost; an image whose expected_tokens
+    the processor does not give, or a graph over its budget, is the engine's InvalidInput."""
+    with st.quotas.validating(who, 0, heavy=True):
+        return st.scheduler.backend.validate(ForwardRequest(req.model_id, data, req.loss_fn, config),
+                                             not req.forward_only)
 
 
 class OptimStep(TinkerBody):
