@@ -4,6 +4,9 @@ float64 HF + PEFT reference."""
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 import torch
 
@@ -379,3 +382,36 @@ def test_sampling_validate_counts_an_image_chunk_by_its_expected_tokens(engine, 
         validate([[1, 2], image], SamplingParams(max_tokens=111), info, 4)
     with pytest.raises(InvalidInput, match="token ids must be integers"):
         validate([[1, -2], image], SamplingParams(max_tokens=1), info, 4)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's arenas")
+def test_large_images_decoded_on_request_threads_leave_no_memory_behind(engine, vision_dirs):
+    """Issue 31: each request thread that decoded a large image kept its freed buffers in its own malloc arena (the
+    hostile benchmark's server grew by hundreds of MB). Decoding an image of RELEASE_PIXELS or more gives freed
+    memory back: four threads, each decoding a different 4096 x 4096 image (48 MiB of RGB each), leave the process
+    about as large as before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    from whitney.engine.families.vision import ProcessedImages
+
+    def jpeg(seed: int) -> ImageInput:
+        out = io.BytesIO()
+        Image.linear_gradient("L").rotate(seed).resize((4096, 4096)).convert("RGB").save(out, format="JPEG")
+        return ImageInput(out.getvalue(), "jpeg")
+
+    images = [jpeg(seed) for seed in (10, 20, 30, 40)]
+    expand = expander(engine.load_model(vision_dirs("qwen3_vl")))
+    expand.vision.processed = ProcessedImages()  # none of these is processed already
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda im: expand.expand(im, None, 1), images[:1]))  # the threads' arenas exist
+        before = _rss_mib()
+        list(pool.map(lambda im: expand.expand(im, None, 1), images))
+        grown = _rss_mib() - before
+    assert grown < 100, f"{grown:.0f} MiB kept after decoding"

@@ -530,8 +530,6 @@ def test_images_are_decoded_on_the_request_thread_never_on_the_worker(vsrv, visi
     training waited behind it. Each image is decoded and processed once, on the request's thread, before the
     request is queued (a sample's and a scoring's too, so their expanded length is known then), and the worker finds
     it processed: the worker thread never decodes one."""
-    import threading
-
     from whitney.engine.families.vision import ImageExpander
     from whitney.service.scheduling.lanes import Worker
 

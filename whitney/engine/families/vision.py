@@ -37,12 +37,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from whitney.engine.memory.allocator import release_memory
 from whitney.errors import InvalidInput
 from whitney.protocol.config import shown_name
 from whitney.protocol.training import IMAGE_AFTER_IMAGE, ImageInput
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 CACHED_PIXEL_BYTES = 256 * 2**20  # processed images kept per base model (ProcessedImages)
+RELEASE_PIXELS = 1 << 20  # decoding an image this large (or larger) gives freed memory back to the system after
 FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3")  # tested in tests/engine/test_vision.py; others are served as text
 FIELD = "model_input"
 
@@ -172,16 +174,19 @@ class ImageExpander:
         key = ProcessedImages.key(image)
         processed = self.vision.processed.get(key)
         if processed is None:
-            processed = self._process(image, where, index)
+            processed, pixels = self._process(image, where, index)
             self.vision.processed.put(key, processed)
+            if pixels >= RELEASE_PIXELS:  # its decoded buffers, freed, would stay in this thread's malloc arena
+                release_memory()
         if image.expected_tokens is not None and image.expected_tokens != processed.tokens:
             raise InvalidInput(f"{where}: expected_tokens is {image.expected_tokens}, but the model's processor "
                                f"expands this image to {processed.tokens} positions", field=_field(index),
                                datum_index=index)
         return processed
 
-    def _process(self, image: ImageInput, where: str, index: int | None) -> ProcessedImage:
-        """Decode an image with Pillow (its declared format checked) and run the model's image processor on it."""
+    def _process(self, image: ImageInput, where: str, index: int | None) -> tuple[ProcessedImage, int]:
+        """Decode an image with Pillow (its declared format checked) and run the model's image processor on it;
+        the processed image and its decoded pixels (width x height)."""
         from PIL import Image
 
         try:
@@ -201,7 +206,7 @@ class ImageExpander:
             processed = ProcessedImage(out["pixel_values"], grid, int(grid.prod()) // merge ** 2)
         else:
             processed = ProcessedImage(out["pixel_values"], None, int(self.vision.tokens_per_image))
-        return processed
+        return processed, rgb.width * rgb.height
 
     def flatten(self, seq, index: int | None) -> tuple[list[int], list[ProcessedImage]]:
         """A sequence (datum `index`, or a sampling prompt: None) given as token ids or chunks, as expanded token ids

@@ -47,13 +47,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import errno
 import logging
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,6 +61,7 @@ from pathlib import Path
 import torch
 
 from whitney.engine.families.lora import Adapter
+from whitney.engine.memory.allocator import release_memory
 from whitney.engine.memory.page_file import Layout, PagedMoments, PageFileLost, read_file, write_file
 from whitney.engine.sampling.rows import SampleRequest
 from whitney.engine.training.optim import OptimizerState
@@ -82,17 +81,6 @@ _COUNTERS = {"out": ("page_outs", "page_out_seconds"), "in": ("page_ins", "page_
 _HISTOGRAMS = {"out": "page_out_histogram", "in": "page_in_histogram", "moments": "moment_read_histogram"}
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _BUCKET_NAMES = [repr(b) for b in SECONDS_BUCKETS] + ["+Inf"]
-
-# glibc's malloc_trim (None elsewhere): freed heap goes back to the system. glibc serves tensors below its
-# mmap threshold (which grows up to 32 MB as large blocks are freed) from the heap, and keeps what is freed.
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
-
-
-def release_memory() -> None:
-    """Give memory freed by dropped tensors back to the system (glibc on Linux; elsewhere a no-op)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
 
 # A read that fails with one of these may succeed later: the run stays paged out (Unavailable), not lost.
 _TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR}
