@@ -14,6 +14,7 @@ from whitney.protocol.training import AdamParams, ForwardRequest
 from whitney.service.api import images
 from whitney.service.api.native import schemas
 from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.heavy import run_checked
 from whitney.service.scheduling.jobs import ForwardJob, Job, LoadJob, OptimJob, SaveJob
 from whitney.service.scheduling.limits import check_operation
 from whitney.service.store import custom_losses
@@ -84,12 +85,13 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     # loss "custom": {"loss_id": id} becomes the stored definition (routes/custom_losses.py).
     config = custom_losses.resolve(st.store, who, body.loss_function, body.loss_config)
     # Validated now, so a bad datum is a 400 naming it rather than a failed operation later. The work counts against
-    # the key's share (Quotas.validating): its tokens per minute, passed or not, and a bound on heavy checks at once.
+    # the key's share (Quotas.validating): its tokens per minute, passed or not, and a bound on heavy checks at once,
+    # which run at a low CPU priority (http/heavy.py).
     counted = sum(lengths)
     heavy = body.loss_function == custom_losses.CUSTOM or with_images is not None
     try:
-        with st.quotas.validating(who, counted, heavy):
-            checked = st.scheduler.backend.validate(ForwardRequest(run_id, data, body.loss_function, config), backward)
+        checked = run_checked(st.quotas, who, counted, heavy, st.scheduler.backend.validate,
+                              ForwardRequest(run_id, data, body.loss_function, config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
             e.field = "loss_function"

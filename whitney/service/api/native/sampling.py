@@ -11,6 +11,7 @@ from whitney.protocol.sampling import SamplingParams, validate
 from whitney.service.api import images
 from whitney.service.api.native import schemas
 from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.heavy import run_checked
 from whitney.service.scheduling.limits import check_operation, check_stops
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, RUN_OPEN, OperationKind
 from whitney.service.store.packages import reading
@@ -73,11 +74,10 @@ def sample(body: schemas.SampleRequest, st: State, who: Owner):
 
 
 def process_images(st: ServiceState, who: str, base_model: str, chunks: list, where: str) -> None:
-    """A prompt's or sequence's images decoded and processed on this request thread (images.process_images, which
-    sets their expected_tokens), as one of the key's heavy checks (Quotas.validating)."""
+    """A prompt's or sequence's images decoded and processed now (images.process_images, which sets their
+    expected_tokens), as one of the key's heavy checks (http/heavy.py: a low CPU priority)."""
     if images.has_images(chunks):
-        with st.quotas.validating(who, 0, heavy=True):
-            images.process_images(st.scheduler.backend, base_model, chunks, where)
+        run_checked(st.quotas, who, 0, True, images.process_images, st.scheduler.backend, base_model, chunks, where)
 
 
 def image_budget(st: ServiceState, base_model: str) -> images.ImageBudget:

@@ -26,6 +26,7 @@ from whitney.service.api.tinker import proto
 from whitney.service.api.tinker.common import (NAME, Sampler, Tinker, TinkerBody, access_owner, model_id, native_seq,
                                                packages_named, path_of, resolve_path, served, tinker_path)
 from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.heavy import run_checked
 from whitney.service.scheduling.jobs import ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob
 from whitney.service.scheduling.limits import check_metadata, check_operation
 from whitney.service.store import custom_losses, packages
@@ -185,12 +186,11 @@ def _image_budget(st: ServiceState, who: str, req: proto.ForwardBackwardRequest)
 
 
 def _heavy_check(st: ServiceState, who: str, req: proto.ForwardBackwardRequest, data: list, config: dict) -> Checked:
-    """Backend.validate of a request with images or a custom loss, as one of the key's heavy checks (its tokens are
-    counted when it is queued): each datum's positions (images expanded) and cost; an image whose expected_tokens
-    the processor does not give, or a graph over its budget, is the engine's InvalidInput."""
-    with st.quotas.validating(who, 0, heavy=True):
-        return st.scheduler.backend.validate(ForwardRequest(req.model_id, data, req.loss_fn, config),
-                                             not req.forward_only)
+    """Backend.validate of a request with images or a custom loss, as one of the key's heavy checks (http/heavy.py;
+    its tokens are counted when it is queued): each datum's positions (images expanded) and cost; an image whose
+    expected_tokens the processor does not give, or a graph over its budget, is the engine's InvalidInput."""
+    return run_checked(st.quotas, who, 0, True, st.scheduler.backend.validate,
+                       ForwardRequest(req.model_id, data, req.loss_fn, config), not req.forward_only)
 
 
 class OptimStep(TinkerBody):
