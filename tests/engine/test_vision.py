@@ -415,3 +415,30 @@ def test_large_images_decoded_on_request_threads_leave_no_memory_behind(engine, 
         list(pool.map(lambda im: expand.expand(im, None, 1), images))
         grown = _rss_mib() - before
     assert grown < 100, f"{grown:.0f} MiB kept after decoding"
+
+
+@pytest.mark.parametrize("size", [(300, 200), (64, 96), (1000, 37), (17, 23), (2048, 1536)])
+def test_presizing_before_the_processor_changes_no_pixel(engine, vision_model, size):
+    """A large image is resized by Pillow to the processor's own target size before the processor sees it (its
+    full-size array copies are never made): the processed pixels are bitwise the processor's own on the full image,
+    for each family's processor, including sizes where Qwen's smart_resize is not idempotent (1000 x 37)."""
+    from PIL import Image
+
+    expand = expander(engine.load_model(vision_model))
+    processor = expand.vision.image_processor
+    image = Image.open(io.BytesIO(draw_image(64, 64, 2))).convert("RGB").resize(size)
+    own = processor(images=[image], return_tensors="pt")["pixel_values"]
+    presized = processor(images=[expand._presized(image, "prompt: chunk 1", None)], return_tensors="pt")
+    assert torch.equal(presized["pixel_values"], own)
+
+
+def test_an_aspect_ratio_the_processor_refuses_is_a_400_naming_the_chunk(engine, vision_dirs):
+    """Qwen's processor raises ValueError past an aspect ratio of 200: that was an internal error."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (600, 2), (10, 20, 30)).save(out, format="PNG")
+    thin = [_tokens(2, 1), ImageInput(out.getvalue(), "png")]
+    e = _refused(lambda: engine.compute_logprobs([thin], base_model=vision_dirs("qwen3_vl")), "chunk 1",
+                 "aspect ratio", "600 x 2")
+    assert e.field == "model_input" and e.datum_index == 0, e.to_dict()
