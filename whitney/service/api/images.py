@@ -3,10 +3,10 @@
 A model input on either API is token ids or a list of typed chunks (Tinker's type names):
 `encoded_text` (token ids), `image` (encoded PNG or JPEG bytes) and `image_asset_pointer` (a file on
 this server, under a directory the operator allowed with `whitney serve --image-dir DIR`). Any other
-type (audio: Tinker's `dmel`) is a 400 naming the chunk. The service never decodes an image into
-pixels for the model: it reads the header and checks the bytes decode (Pillow), so a bad image is a 400
-naming its chunk before anything is stored or queued; the engine's processor expands each image into
-its positions.
+type (audio: Tinker's `dmel`) is a 400 naming the chunk. The service never decodes an image: it checks
+what needs no decoding (below); then, before anything is stored or queued, the model's side decodes and
+processes each image once (`process_images`, Backend.validate), on a heavy-check thread at a low CPU
+priority (http/heavy.py), where bytes that do not decode are a 400 naming the chunk.
 
 Order of the checks, cheapest first, so that no work is done for an image that is refused anyway: a model
 that takes no images (`ImageBudget.model`) refuses every image chunk before its bytes are decoded from base64
@@ -15,8 +15,8 @@ encoded bytes; then the file's structure, walked without decoding (`check_struct
 PNG's chunks), which refuses a progressive JPEG of more than MAX_JPEG_SCANS scans (each scan is a pass of
 the decoder over the whole image: 2,000 tiny scans made a 178 KB JPEG cost 20 s to decode) and files of more
 than MAX_JPEG_SEGMENTS segments or MAX_PNG_CHUNKS chunks (each costs the decoder a step in Python); then the
-header (format, width x height); only then is the image decoded, always on a worker thread (the routes that
-call this are sync routes or call it through run_in_threadpool).
+header (format, width x height; a PNG's chunk checksums); all of it off the event loop (the routes that call
+this are sync routes or call it through run_in_threadpool).
 
 Limits (`Limits`, each a `whitney serve --max-...` flag): bytes per image, pixels per image (read from
 the header, before any decoding, which also keeps decompression bombs out), images and image bytes per
@@ -139,9 +139,10 @@ def check_structure(data: bytes, where: str) -> None:
 
 
 def checked_image(data: bytes, fmt: str, expected_tokens: int | None, where: str, budget: ImageBudget) -> ImageInput:
-    """Encoded image bytes checked against the limits and decoded once (Pillow) to prove they are what they
-    say: the declared format, at most max_image_pixels pixels (from the header, before decoding), whole. Every
-    check that needs no decoding comes first (see the module's docstring)."""
+    """Encoded image bytes checked against the limits, without decoding them: the declared format, at most
+    max_image_pixels pixels (from the header), a PNG's chunk checksums. The pixels are decoded once, by the
+    model's side before the request is queued (Backend.validate or Backend.image_tokens, at a low priority:
+    http/heavy.py), where bytes that do not decode are a 400 naming the chunk."""
     limits = budget.limits
     budget.admit_image(where)
     if fmt not in FORMATS:
@@ -158,10 +159,7 @@ def checked_image(data: bytes, fmt: str, expected_tokens: int | None, where: str
             found = image.format
             width, height = image.size
             if found == FORMATS[fmt] and width * height <= limits.max_image_pixels:
-                image.verify()  # PNG: chunk checksums; the pixels are decoded below
-        if found == FORMATS[fmt] and width * height <= limits.max_image_pixels:
-            with Image.open(io.BytesIO(data), formats=[found]) as image:
-                image.load()  # the whole image decodes (a truncated JPEG fails here)
+                image.verify()  # PNG: chunk checksums
     except Image.DecompressionBombError:  # over Pillow's own bound, far over any sane max_image_pixels
         raise TooLarge(f"{where}: the image has more than {limits.max_image_pixels} pixels (max_image_pixels)",
                        field=where) from None
