@@ -6,8 +6,9 @@ one key per tenant. 31 well-behaved clients, each its own key, session and rank-
 the warm-up and kept through both phases), loop forward_backward (4 x 64 tokens) + optim_step, as in fairness.py.
 Two phases of equal length, in one run:
   alone    the 31 clients only;
-  hostile  the same, while the hostile tenant (its own key) sends the issue's attacks, one thread per attack,
-           back to back, each scaled to what the server's limits let through:
+  hostile  the same, while the hostile tenant (its own key, its own process at nice 19: its client-side work is
+           not the server's) sends the issue's attacks, one thread per attack, back to back, each scaled to what
+           the server's limits let through:
     custom_loss       a stored custom loss of 250 x torch.logsumexp(x.expand(65536), 0) over 12 one-token datums
                       (native forward_backward): over the work budget, to be refused at once with a 400;
     custom_loss_paid  the same amplifier paid for within the budget (datums of 511 positions x K=10 target
@@ -46,6 +47,7 @@ import base64
 import io
 import itertools
 import json
+import multiprocessing
 import os
 import threading
 import time
@@ -55,6 +57,8 @@ from bench.common import Clients, ServerExited, percentile, random_tokens, sft_b
 
 GOOD_KEYS = [f"bench-good-tenant-{i}" for i in range(31)]  # one key per well-behaved client: per-key limits
 EVIL_KEY = "bench-hostile-tenant-key"
+ATTACKS = ["custom_loss", "custom_loss_paid", "jpeg_text", "jpeg_vision", "jpeg_vision_max", "expected_tokens",
+           "proto_sparse", "asample_sparse", "surrogate", "deep_metadata"]  # hostile_attacks' keys, in order
 
 
 # ---- the hostile payloads --------------------------------------------------------------------------------------
@@ -330,6 +334,41 @@ def hostile_attacks(url: str, models: dict[str, str], quick: bool, tally: Tally)
             "close": lambda: [c.close() for c in (evil, good, tinker, anonymous, client)]}
 
 
+def hostile_tenant(url: str, models: dict[str, str], quick: bool, chosen: list[str], conn) -> None:
+    """The hostile tenant, in a process of its own at the lowest CPU priority (nice 19): on this one machine its
+    own client-side work (building and sending thousands of requests) must not count as the server's slowdown, as
+    it would not where the tenant runs elsewhere; the server still answers as many of its requests as it takes.
+    Sets up (hostile_attacks), sends ("ready", sizes, attack names), waits for ("start", seconds), sends every
+    chosen attack back to back on a thread each until then, and sends ("tally", codes, seconds, messages)."""
+    os.nice(19)
+    tally = Tally()
+    hostile = hostile_attacks(url, models, quick, tally)
+    try:
+        hostile["warm"]()
+        conn.send(("ready", hostile["sizes"], list(hostile["attacks"])))
+        _, seconds = conn.recv()
+        deadline = time.monotonic() + seconds
+        hostile["deadline"][0] = deadline
+
+        def attacker(attack: str, send) -> None:
+            while time.monotonic() < deadline:
+                try:
+                    send()
+                except Exception as e:  # counted, never hidden (a wait that failed, a body it could not read)
+                    tally.add(f"{attack} client", type(e).__name__, 0.0, str(e))
+                    time.sleep(0.5)
+
+        threads = [threading.Thread(target=attacker, args=(a, send), daemon=True)
+                   for a, send in hostile["attacks"].items() if a in chosen]
+        for t in threads:
+            t.start()
+        for t in threads:  # an attack in flight at the deadline ends first (its answer counts)
+            t.join(timeout=300)
+        conn.send(("tally", tally.codes, tally.seconds, tally.messages))
+    finally:
+        hostile["close"]()
+
+
 def run(quick: bool = False, dtype: str = "float32") -> dict:
     seconds = 20 if quick else 90
     n_small = 8 if quick else 31
@@ -355,13 +394,17 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
         names = [m["name"] for m in caps["models"]]
         models = {"text": next(m["name"] for m in caps["models"] if not m.get("vision")),
                   "vision": next(m["name"] for m in caps["models"] if m.get("vision"))}
-        hostile = hostile_attacks(server.url, models, quick, tally)
-        chosen = [a.strip() for a in os.environ.get("WHITNEY_BENCH_HOSTILE_ATTACKS", "").split(",") if a.strip()] \
-            or list(hostile["attacks"])
-        unknown = set(chosen) - set(hostile["attacks"])
+        chosen = [a.strip() for a in os.environ.get("WHITNEY_BENCH_HOSTILE_ATTACKS", "").split(",") if a.strip()]
+        unknown = set(chosen) - set(ATTACKS)
         if unknown:
-            raise ValueError(f"WHITNEY_BENCH_HOSTILE_ATTACKS: unknown attacks {sorted(unknown)}; known: "
-                             f"{list(hostile['attacks'])}")
+            raise ValueError(f"WHITNEY_BENCH_HOSTILE_ATTACKS: unknown attacks {sorted(unknown)}; known: {ATTACKS}")
+        chosen = chosen or list(ATTACKS)
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        tenant = context.Process(target=hostile_tenant, args=(server.url, models, quick, chosen, theirs), daemon=True)
+        tenant.start()
+        _, sizes, names_sent = ours.recv()  # set up, and the vision model's sampler warmed by a well-behaved sample
+        assert names_sent == list(ATTACKS), names_sent
         done = threading.Event()
         t0 = time.monotonic()
 
@@ -412,38 +455,24 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
             seen = time.perf_counter() - t  # as the client sees it: a stalled event loop shows here, not above
             return [("forward_backward", server_side), ("forward_backward_client", seen), ("optim_step", timed(opt))]
 
-        def attacker(attack: str, send) -> None:
-            while time.monotonic() < hostile["deadline"][0]:
-                try:
-                    send()
-                except Exception as e:  # counted, never hidden (a wait that failed, a body it could not read)
-                    tally.add(f"{attack} client", type(e).__name__, 0.0, str(e))
-                    time.sleep(0.5)
-
-        hostile["warm"]()
         warm = Clients(server.url)
         warm.run(n_small, setup, small_step, 5 if quick else 15)
         try:
             for name in ("alone", "hostile"):
                 phase[0] = name
                 clients = Clients(server.url)
-                threads = []
                 if name == "hostile":
-                    hostile["deadline"][0] = time.monotonic() + seconds
-                    threads = [threading.Thread(target=attacker, args=(a, send), daemon=True)
-                               for a, send in hostile["attacks"].items() if a in chosen]
-                    for t in threads:
-                        t.start()
+                    ours.send(("start", seconds))
                 clients.run(n_small, setup, small_step, seconds)
-                for t in threads:  # an attack in flight at the deadline ends first (its answer counts)
-                    t.join(timeout=300)
+                if name == "hostile":  # its attacks in flight at the deadline end first (their answers count)
+                    _, tally.codes, tally.seconds, tally.messages = ours.recv()
                 phases[name] = clients
             phase[0] = "after"
             time.sleep(2.0)  # the RSS as the hostile phase's last answers are freed
         finally:
             done.set()
             watcher.join()
-            hostile["close"]()
+            tenant.join(timeout=60)
 
     alone, contended = phases["alone"].summary(), phases["hostile"].summary()
     nan = float("nan")
@@ -464,7 +493,7 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
         "benchmark": "hostile",
         "settings": {"seconds_per_phase": seconds, "small_clients": n_small, "small_batch": "4 x 64",
                      "model": "tiny llama (2 x 64) and tiny Qwen3-VL", "rank": 8, "models": names,
-                     "attacks": {a: size for a, size in hostile["sizes"].items() if a in chosen}},
+                     "attacks": {a: size for a, size in sizes.items() if a in chosen}},
         "alone": alone, "hostile": contended,
         "hostile_answers": attacks, "hostile_messages": tally.messages,
         "well_behaved_answers": {p: {str(k): v for k, v in sorted(c.items())} for p, c in responses.items()},
