@@ -1,10 +1,12 @@
-"""engine/threads.py: the compute threads follow the CPUs other processes leave free (at least 1, at most the
-ceiling), read from /proc/stat with this process's own CPU time taken out; a fixed count never moves."""
+"""engine/threads.py: the compute threads follow the CPUs other work leaves free (at least 1, at most the
+ceiling), read from /proc/stat with the compute threads' own CPU time taken out; a fixed count never moves."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -44,7 +46,7 @@ def test_this_processs_own_work_does_not_count_and_each_window_informs_the_next_
     measure leaves the decision to the last call's own window."""
     clock = {"busy": 100.0, "own": 10.0, "now": 1000.0}
     monkeypatch.setattr(threads, "busy_seconds", lambda cpus: clock["busy"])
-    monkeypatch.setattr(threads, "own_seconds", lambda: clock["own"])
+    monkeypatch.setattr(threads, "compute_seconds", lambda caller: clock["own"])
     monkeypatch.setattr(threads.time, "monotonic", lambda: clock["now"])
     auto = ComputeThreads(ceiling=2, adaptive=True, cpus={0, 1})
     auto.set(2)
@@ -82,3 +84,36 @@ def test_a_process_spinning_on_a_core_takes_a_thread_away():
     finally:
         hog.kill()
         hog.wait()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task")
+def test_the_processs_other_threads_are_load_unless_their_priority_is_lowered():
+    """Issue 31: a server's event loop and request threads busy with a flood of refused requests made the compute
+    threads meet at barriers with a shared core (training several times slower), while the old reading took the
+    whole process's CPU time out. Now only the compute threads' own time is taken out: a normal-priority thread
+    of this process counts as load, a thread whose priority is lowered (the heavy checks') does not."""
+    me = threading.get_native_id()
+    for nice in (0, 19):
+        started, stop, used = threading.Event(), threading.Event(), []
+
+        def spin():
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            start = time.thread_time()
+            started.set()
+            while not stop.is_set():
+                pass
+            used.append(time.thread_time() - start)
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        started.wait()
+        before = threads.compute_seconds(me)
+        time.sleep(0.6)
+        counted = threads.compute_seconds(me) - before  # read while the spinner still runs
+        stop.set()
+        spinner.join()
+        if nice == 0:
+            assert used[0] > 0.1 and counted < 0.05 + 0.2 * used[0], (counted, used)
+        else:
+            assert abs(counted - used[0]) < 0.06, (counted, used)

@@ -7,8 +7,9 @@ Letting waiting threads sleep (OMP_WAIT_POLICY=PASSIVE) avoids that but slows ev
 (each wakes its threads), and one thread always halves the speed of compute-bound work.
 
 So by default ("auto") the thread count follows the load. The busy time of the CPUs this process may use is
-read from /proc/stat before and after each engine call (at most every `WINDOW` seconds), this process's own
-CPU time is subtracted, and before each call the threads are set to the CPUs the other processes left free
+read from /proc/stat before and after each engine call (at most every `WINDOW` seconds), the CPU time of this
+process's compute threads is subtracted (`compute_seconds`: the rest of the process, a server's event loop and
+request threads, is load like another process's), and before each call the threads are set to the CPUs left free
 over the last window (rounded; at least 1, at most the ceiling: `whitney serve`'s usable CPUs, a Ray worker's
 CPUs). A window is the gap since the last call when that was long enough to measure, else the last call
 itself: another program starting between two calls is seen by the next one, one starting during a call by
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +53,30 @@ def own_seconds() -> float:
     """CPU seconds this process (every thread) has used."""
     t = os.times()
     return t.user + t.system
+
+
+def compute_seconds(caller: int) -> float:
+    """CPU seconds of this process's threads that compute for the engine: `caller` (the thread making engine
+    calls; its native id), the threads Python did not start (torch's OpenMP pool), and threads whose priority is
+    lowered (they yield to those: service/http/heavy.py's). The rest of the process at normal priority (a
+    server's event loop and request threads) is load like another process's: it shares the cores the compute
+    threads meet at barriers on. Without /proc/self/task, the whole process."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return own_seconds()
+    python = {t.native_id for t in threading.enumerate()} - {caller}
+    ticks = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # from field 3 (state) on: the name may hold spaces
+        except OSError:
+            continue  # the thread has ended
+        if int(tid) in python and int(fields[16]) <= 0:  # field 19: nice
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15: utime, stime
+    return ticks / TICKS
 
 
 def free_cpus(cpus: int, others_busy: float) -> int:
@@ -107,7 +133,7 @@ class ComputeThreads:
         now = time.monotonic()
         if now - self._at < WINDOW:
             return
-        busy, own = busy_seconds(self.cpus), own_seconds()
+        busy, own = busy_seconds(self.cpus), compute_seconds(threading.get_native_id())
         if busy is None:  # no /proc/stat: the ceiling, always
             self.adaptive = False
             return
