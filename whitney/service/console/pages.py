@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import parse_qs
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
@@ -28,7 +28,7 @@ from whitney.service.console.auth import COOKIE, SESSION_SECONDS, SignIn, sessio
 from whitney.service.console.exports import EXPORTABLE, export_peft
 from whitney.service.console.server import server_view
 from whitney.service.http import signing
-from whitney.service.http.deps import ServiceState
+from whitney.service.http.deps import ServiceState, new_router
 from whitney.service.store import run_metrics, run_samples
 from whitney.service.store.keys import Unauthorized
 from whitney.service.store.lifecycle import OPERATION_PENDING, RUN_LIVE, RUN_OPEN
@@ -37,8 +37,8 @@ Viewer = Annotated[str, Depends(viewer)]
 SPARKLINES = 50  # the newest runs whose recent losses the runs list draws
 COMPARED = 8  # runs overlaid at most on the compare page
 PALETTE = ("#4f46e5", "#0d9488", "#f59e0b", "#db2777", "#2563eb", "#65a30d", "#9333ea", "#dc2626")  # charts.js's
-public = APIRouter()
-router = APIRouter(dependencies=[Depends(viewer)])
+public = new_router()
+router = new_router(dependencies=[Depends(viewer)])
 
 
 def _context(request: Request) -> dict:

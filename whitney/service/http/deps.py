@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from starlette.concurrency import run_in_threadpool
 
 from whitney.protocol.backend import ModelInfo
+from whitney.service.http.bodies import OffLoopJSONRoute
 from whitney.service.http.metrics import Metrics
 from whitney.service.scheduling.limits import Limits
 from whitney.service.scheduling.scheduler import Scheduler
@@ -21,8 +22,16 @@ from whitney.service.store.quotas import Quotas
 def new_app(**options) -> FastAPI:
     """A FastAPI app of the service (the API, the Tinker protocol, the console), without FastAPI's own
     OpenTelemetry hooks: the service's metrics are its Prometheus ones (metrics.py), and the hooks' check
-    for a configured provider took 6% of a plain request's time."""
-    return FastAPI(telemetry={"tracing": False, "metrics": False, "logs": False}, **options)
+    for a configured provider took 6% of a plain request's time. Its own routes parse a large JSON body off the
+    event loop (bodies.OffLoopJSONRoute), as new_router's do."""
+    app = FastAPI(telemetry={"tracing": False, "metrics": False, "logs": False}, **options)
+    app.router.route_class = OffLoopJSONRoute
+    return app
+
+
+def new_router(**options) -> APIRouter:
+    """A router of the service's routes: each parses a large JSON body off the event loop (bodies.OffLoopJSONRoute)."""
+    return APIRouter(route_class=OffLoopJSONRoute, **options)
 
 
 @dataclass

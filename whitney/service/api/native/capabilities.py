@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Response
+from fastapi import Header, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from whitney.service.http.deps import Owner, State, presented_key
+from whitney.service.http.deps import Owner, State, new_router, presented_key
 from whitney.service.store.lifecycle import SAMPLING_KINDS, TRAINING_KINDS
 
-router = APIRouter(prefix="/v1", tags=["capabilities"])
-health = APIRouter(tags=["health"])
+router = new_router(prefix="/v1", tags=["capabilities"])
+health = new_router(tags=["health"])
 
 
 @router.get("/training/capabilities")

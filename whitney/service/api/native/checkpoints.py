@@ -7,18 +7,18 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request
+from fastapi import Header, Request
 from fastapi.responses import Response
 
 from whitney.errors import NotFound
 from whitney.service.api.native import schemas
 from whitney.service.http import downloads, signing
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, new_router
 from whitney.service.scheduling.limits import check_metadata
 from whitney.service.store import packages
 from whitney.service.store.records import PackageRecord
 
-router = APIRouter(prefix="/v1", tags=["checkpoints"])
+router = new_router(prefix="/v1", tags=["checkpoints"])
 URL_SECONDS = 3600  # how long a signed download URL works
 
 

@@ -6,13 +6,12 @@ A stored loss is used by forward / forward_backward with loss_function "custom" 
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 
 from whitney.service.api.native import schemas
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, new_router
 from whitney.service.store import custom_losses
 
-router = APIRouter(prefix="/v1", tags=["custom_losses"])
+router = new_router(prefix="/v1", tags=["custom_losses"])
 
 
 @router.post("/custom_losses", response_model=schemas.CustomLoss, status_code=201)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from fastapi import APIRouter, Query
+from fastapi import Query
 from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict, InvalidInput
@@ -13,7 +13,7 @@ from whitney.protocol.backend import PackageKind
 from whitney.protocol.training import AdamParams, ForwardRequest
 from whitney.service.api import images
 from whitney.service.api.native import schemas
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.http.heavy import run_checked
 from whitney.service.scheduling.jobs import ForwardJob, Job, LoadJob, OptimJob, SaveJob
 from whitney.service.scheduling.limits import check_operation
@@ -24,7 +24,7 @@ from whitney.service.store.lifecycle import OPERATION_TERMINAL, OperationKind, R
 from whitney.service.store.packages import reading
 from whitney.service.store.records import OperationRecord
 
-router = APIRouter(prefix="/v1", tags=["operations"])
+router = new_router(prefix="/v1", tags=["operations"])
 MAX_WAIT = 30.0
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import Query
 from pydantic import Field
 
 from whitney.service.api.native.schemas import INT64_LIMIT, Out, Wire
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, new_router
 from whitney.service.store import run_metrics
 
-router = APIRouter(prefix="/v1", tags=["runs"])
+router = new_router(prefix="/v1", tags=["runs"])
 
 
 class MetricsLog(Wire):

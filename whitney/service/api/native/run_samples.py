@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import Query
 from pydantic import Field, field_validator
 
 from whitney.service.api.native.schemas import INT64_LIMIT, Out, Wire
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, new_router
 from whitney.service.store import run_samples
 
-router = APIRouter(prefix="/v1", tags=["runs"])
+router = new_router(prefix="/v1", tags=["runs"])
 
 
 class SampleIn(Wire):

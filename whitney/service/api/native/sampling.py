@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 from pydantic import BaseModel
 
 from whitney.errors import InvalidInput, NotFound, WhitneyError
@@ -10,14 +9,14 @@ from whitney.protocol.backend import PackageKind, Weights
 from whitney.protocol.sampling import SamplingParams, validate
 from whitney.service.api import images
 from whitney.service.api.native import schemas
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.http.heavy import run_checked
 from whitney.service.scheduling.limits import check_operation, check_stops
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, RUN_OPEN, OperationKind
 from whitney.service.store.packages import reading
 from whitney.service.store.records import OperationRecord
 
-router = APIRouter(prefix="/v1", tags=["sampling"])
+router = new_router(prefix="/v1", tags=["sampling"])
 
 
 def resolve(st: ServiceState, who: str, ref: schemas.WeightsRef) -> tuple[Weights, str]:

@@ -9,14 +9,14 @@ import time
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import Header, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict, InvalidInput, NotFound
 from whitney.protocol.backend import PackageKind
 from whitney.service.api.native import schemas
 from whitney.service.http import signing
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.scheduling.limits import check_metadata
 from whitney.service.store import packages, projects
 from whitney.service.store.keys import key_digest, presented_key
@@ -24,7 +24,7 @@ from whitney.service.store.lifecycle import RunStatus, SessionStatus
 from whitney.service.store.records import OperationRecord, RunRecord
 from whitney.service.store.tables import new_id
 
-router = APIRouter(prefix="/v1", tags=["sessions"])
+router = new_router(prefix="/v1", tags=["sessions"])
 
 
 @router.post("/sessions", response_model=schemas.Session, status_code=201)

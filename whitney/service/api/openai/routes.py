@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -33,13 +33,13 @@ from whitney.service.api.native.schemas import WeightsRef
 from whitney.service.api.openai import schemas as wire
 from whitney.service.api.openai.text import TextStream
 from whitney.service.api.tinker.common import parse_path, resolve_path
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.scheduling.limits import check_stops
 from whitney.service.scheduling.results import StopReason
 from whitney.service.scheduling.streams import SampleStream
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, FailureCategory, OperationKind, OperationStatus
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = new_router(prefix="/v1", tags=["openai"])
 KEEPALIVE_SECONDS = 15.0  # an SSE comment line while no token comes (a long prefill, a full queue)
 EVENT_STREAM = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                       "description": "the completion, or (stream: true) its chunks as server-sent events"}}

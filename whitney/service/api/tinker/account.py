@@ -12,20 +12,20 @@ from datetime import date, datetime, timedelta, timezone
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Request
+from fastapi import Header, Request
 from pydantic import Field
 
 from whitney.errors import InvalidInput
 from whitney.service.api.native.sessions import signed_trace_url
 from whitney.service.api.tinker.common import TinkerBody, iso
 from whitney.service.http import signing
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.store import projects
 from whitney.service.store.keys import key_digest, presented_key
 from whitney.service.store.lifecycle import OperationKind, SessionStatus
 from whitney.service.store.records import KeyRecord
 
-router = APIRouter()
+router = new_router()
 ORG = "whitney"
 
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
 
 from whitney.service.api.tinker.common import TinkerBody
 from whitney.service.api.tinker.training import finished_op, future
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, new_router
 from whitney.service.store import custom_losses
 from whitney.service.store.lifecycle import OperationKind
 
-router = APIRouter()
+router = new_router()
 
 
 class CreateCustomLoss(TinkerBody):

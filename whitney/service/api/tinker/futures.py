@@ -7,16 +7,15 @@ sample results are protobuf (the 0.38 SDK refuses JSON for them); the rest are J
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from whitney.service.api.tinker import proto, training
 from whitney.service.api.tinker.common import Tinker, TinkerBody
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, new_router
 from whitney.service.store.lifecycle import OPERATION_TERMINAL, FailureCategory, OperationKind, OperationStatus
 
-router = APIRouter()
+router = new_router()
 MAX_WAIT = 25.0  # the SDK's read timeout for one poll is 45 s
 PROTOBUF = "application/x-protobuf"
 

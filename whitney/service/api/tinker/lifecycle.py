@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Request
+from fastapi import Header, Request
 
 from whitney.errors import Conflict, InvalidInput, NotFound
 from whitney.protocol.backend import PackageKind
@@ -16,12 +16,12 @@ from whitney.service.api.native.checkpoints import signed_urls
 from whitney.service.api.tinker.common import (SEGMENT_KIND, Tinker, TinkerBody, access_owner, iso, model_id,
                                                packages_named, resolve_path, tinker_path)
 from whitney.service.api.tinker.session import labelled_session
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.store import packages
 from whitney.service.store.lifecycle import RunStatus, SessionStatus
 from whitney.service.store.records import PackageRecord
 
-router = APIRouter()
+router = new_router()
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"
 
 

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 
 from whitney.errors import NotFound
 from whitney.protocol.backend import PackageKind
 from whitney.service.api.tinker.common import (KIND_SEGMENT, SEGMENT_KIND, TinkerBody, checkpoint, iso, packages_named,
                                                resolve_path)
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.store.lifecycle import RunStatus
 from whitney.service.store.records import PackageRecord, RunRecord
 from whitney.service.store.packages import remove
 
-router = APIRouter()
+router = new_router()
 
 
 def _newest_per_name(packages: list[PackageRecord]) -> list[PackageRecord]:

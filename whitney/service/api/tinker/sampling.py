@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
 
 from whitney.errors import InvalidInput, NotFound
 from whitney.protocol.sampling import MAX_TOPK_PROMPT_LOGPROBS, SamplingParams
@@ -12,9 +11,9 @@ from whitney.service.api import images
 from whitney.service.api.native import schemas
 from whitney.service.api.native.sampling import process_images, resolve, start_sample
 from whitney.service.api.tinker.common import Sampler, Tinker, TinkerBody, resolve_path, sampler_ref, served
-from whitney.service.http.deps import Owner, State
+from whitney.service.http.deps import Owner, State, new_router
 
-router = APIRouter()
+router = new_router()
 
 
 class CreateSamplingSession(TinkerBody):

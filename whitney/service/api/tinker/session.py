@@ -5,20 +5,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict
 from whitney.service.api.native import schemas
 from whitney.service.api.tinker.common import Tinker, TinkerBody
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.scheduling.limits import check_metadata
 from whitney.service.store import projects
 from whitney.service.store.lifecycle import RunStatus, SessionStatus
 from whitney.service.store.records import SessionRecord
 
-router = APIRouter()
+router = new_router()
 
 
 @router.post("/client/config")

@@ -12,7 +12,7 @@ import hashlib
 import random
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import InvalidInput, WhitneyError
@@ -25,7 +25,7 @@ from whitney.service.api.native.sessions import open_run
 from whitney.service.api.tinker import proto
 from whitney.service.api.tinker.common import (NAME, Sampler, Tinker, TinkerBody, access_owner, model_id, native_seq,
                                                packages_named, path_of, resolve_path, served, tinker_path)
-from whitney.service.http.deps import Owner, ServiceState, State
+from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.http.heavy import run_checked
 from whitney.service.scheduling.jobs import ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob
 from whitney.service.scheduling.limits import check_metadata, check_operation
@@ -34,7 +34,7 @@ from whitney.service.store.database import digest
 from whitney.service.store.lifecycle import OperationKind, OperationStatus
 from whitney.service.store.records import OperationRecord
 
-router = APIRouter()
+router = new_router()
 
 
 def future(op: OperationRecord, **extra: Any) -> dict:
