@@ -204,7 +204,7 @@ def test_a_large_json_body_is_parsed_off_the_event_loop(server, monkeypatch):
     every other request up). A body over OFF_LOOP_JSON_BYTES is parsed on a worker thread; a small one, inline."""
     from types import SimpleNamespace
 
-    from whitney.service.http import bodies
+    from whitney.service.http import routing
 
     parsed_on = []
 
@@ -212,7 +212,7 @@ def test_a_large_json_body_is_parsed_off_the_event_loop(server, monkeypatch):
         parsed_on.append(threading.current_thread())
         return json.loads(raw)
 
-    monkeypatch.setattr(bodies, "json", SimpleNamespace(loads=loads))
+    monkeypatch.setattr(routing, "json", SimpleNamespace(loads=loads))
     with server.http() as http:
         small = http.post("/v1/sessions", json={"user_metadata": {"a": 1}})
         large = http.post("/v1/sessions", json={"user_metadata": {"a": 1}, "tags": ["x" * 1000] * 100})

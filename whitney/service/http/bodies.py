@@ -1,41 +1,9 @@
 """Reading a request body in an ASGI middleware, and handing the same bytes on to the app; which requests a
-route takes (so a middleware reads no body that nothing would use); a large JSON body parsed off the event loop."""
+route takes (so a middleware reads no body that nothing would use)."""
 
 from __future__ import annotations
 
-import json
-
-from fastapi import Request
-from fastapi.routing import APIRoute
-from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match, Mount
-
-OFF_LOOP_JSON_BYTES = 64 * 1024  # a JSON body larger than this is parsed on a worker thread (about 45 ms per MiB)
-
-
-class OffLoopJSON(Request):
-    """A request whose JSON body, when over OFF_LOOP_JSON_BYTES, is parsed on a worker thread: FastAPI parses a
-    route's body with `json()` on the event loop, where a 32 MiB body (max_request_bytes) held every other request
-    up for over a second."""
-
-    async def json(self):
-        if not hasattr(self, "_json"):
-            body = await self.body()
-            self._json = json.loads(body) if len(body) <= OFF_LOOP_JSON_BYTES else await run_in_threadpool(
-                json.loads, body)
-        return self._json
-
-
-class OffLoopJSONRoute(APIRoute):
-    """Every route of the service's apps (http/deps.new_router): its handler gets an OffLoopJSON request."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def handle(request: Request):
-            return await handler(OffLoopJSON(request.scope, request.receive, request._send))
-
-        return handle
 
 
 async def read_body(receive, limit: int | None = None) -> tuple[bytes | None, int]:

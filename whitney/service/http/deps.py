@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from starlette.concurrency import run_in_threadpool
 
 from whitney.protocol.backend import ModelInfo
-from whitney.service.http.bodies import OffLoopJSONRoute
+from whitney.service.http.routing import OffLoopJSONRoute
 from whitney.service.http.metrics import Metrics
 from whitney.service.scheduling.limits import Limits
 from whitney.service.scheduling.scheduler import Scheduler
@@ -23,14 +23,14 @@ def new_app(**options) -> FastAPI:
     """A FastAPI app of the service (the API, the Tinker protocol, the console), without FastAPI's own
     OpenTelemetry hooks: the service's metrics are its Prometheus ones (metrics.py), and the hooks' check
     for a configured provider took 6% of a plain request's time. Its own routes parse a large JSON body off the
-    event loop (bodies.OffLoopJSONRoute), as new_router's do."""
+    event loop (routing.OffLoopJSONRoute), as new_router's do."""
     app = FastAPI(telemetry={"tracing": False, "metrics": False, "logs": False}, **options)
     app.router.route_class = OffLoopJSONRoute
     return app
 
 
 def new_router(**options) -> APIRouter:
-    """A router of the service's routes: each parses a large JSON body off the event loop (bodies.OffLoopJSONRoute)."""
+    """A router of the service's routes: each parses a large JSON body off the event loop (routing.OffLoopJSONRoute)."""
     return APIRouter(route_class=OffLoopJSONRoute, **options)
 
 
