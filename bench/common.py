@@ -147,6 +147,30 @@ class Server:
                     out[key] = int(value.split()[0])
         return out
 
+    def tree_rss_kib(self) -> int:
+        """VmRSS of the server process and every process under it (a Ray backend's raylet, GCS and workers), in
+        KiB; ServerExited once the server has ended."""
+        self.status()
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(parent, []).append(int(entry))
+        total, todo = 0, [self.pid]
+        while todo:
+            pid = todo.pop()
+            todo.extend(children.get(pid, []))
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS")), 0)
+            except OSError:
+                continue
+        return total
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

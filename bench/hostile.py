@@ -32,10 +32,11 @@ Figures: the well-behaved clients' p99 forward_backward latency in each phase, f
 server stamps them (created_at -> finished_at), and their ratio hostile / alone (target at most 3); every 5xx
 answer over all clients, well-behaved (each response they get, retried ones included), hostile and the /healthz
 probe (target 0), and the hostile tenant's accepted requests whose operation failed as `internal` (target 0); the
-server's RSS growth during the hostile phase (VmRSS every 0.5 s: its highest in the phase minus its value as the
-phase began; target under 300 MB). Reported besides: the hostile tenant's answers by
-attack and status code (with their latency and the first message of each), the well-behaved clients' latency as
-they see it (submit -> result: a stalled event loop delays requests before the server stamps them), and /healthz
+server's RSS growth during the hostile phase (VmRSS of the server and every process under it, a Ray backend's
+workers included, every 0.5 s: its highest in the phase minus its value as the phase began; target under 300 MB).
+WHITNEY_BENCH_HOSTILE_SERVE_ARGS adds `whitney serve` flags (`--backend ray`: the engine in processes of its own).
+Reported besides: the hostile tenant's answers by attack and status code (with their latency and the first message
+of each), the well-behaved clients' latency as they see it (submit -> result: a stalled event loop delays requests before the server stamps them), and /healthz
 latency probed every 0.5 s in each phase. A 5xx, a slow refusal or a stall is a finding, reported, never hidden.
 To find which attack does the harm, WHITNEY_BENCH_HOSTILE_ATTACKS=name,name runs only those (the results file
 names them under settings.attacks).
@@ -383,7 +384,8 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
     exited: list[str] = []  # the server ended while measured
     lock = threading.Lock()
     keys = [a for key in GOOD_KEYS[:n_small] + [EVIL_KEY] for a in ("--api-key", key)]
-    with start_server("--dtype", dtype, "--model", tiny_vision_model(), *keys, "--max-sequences", "64",
+    serve_args = os.environ.get("WHITNEY_BENCH_HOSTILE_SERVE_ARGS", "").split()
+    with start_server(*serve_args, "--dtype", dtype, "--model", tiny_vision_model(), *keys, "--max-sequences", "64",
                       "--session-timeout", "3600", model=tiny_model()) as server:
         import httpx
 
@@ -413,7 +415,7 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
             with httpx.Client(base_url=server.url, timeout=300) as http:
                 while not done.wait(0.5):
                     try:
-                        rss.append((phase[0], time.monotonic() - t0, server.status()["VmRSS"] * 1024 / 1e6))
+                        rss.append((phase[0], time.monotonic() - t0, server.tree_rss_kib() * 1024 / 1e6))
                     except ServerExited as e:  # a finding: reported, and the clients' errors show it too
                         exited.append(f"{phase[0]}: {e}")
                         return
@@ -492,6 +494,7 @@ def run(quick: bool = False, dtype: str = "float32") -> dict:
     return {
         "benchmark": "hostile",
         "settings": {"seconds_per_phase": seconds, "small_clients": n_small, "small_batch": "4 x 64",
+                     "serve_args": serve_args,
                      "model": "tiny llama (2 x 64) and tiny Qwen3-VL", "rank": 8, "models": names,
                      "attacks": {a: size for a, size in sizes.items() if a in chosen}},
         "alone": alone, "hostile": contended,
