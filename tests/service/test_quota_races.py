@@ -39,13 +39,18 @@ def at_once(n: int, call) -> list:
         return list(pool.map(one, range(n)))
 
 
-def posts(server, path: str, bodies: list[dict]) -> list[httpx.Response]:
-    clients = [server.http(KEY) for _ in bodies]
+def each_client(server, key: str, n: int, call) -> list:
+    """`call(i, client)` for i in range(n), each on a client of its own with `key`, released together."""
+    clients = [server.http(key) for _ in range(n)]
     try:
-        return at_once(len(bodies), lambda i: clients[i].post(path, json=bodies[i]))
+        return at_once(n, lambda i: call(i, clients[i]))
     finally:
         for c in clients:
             c.close()
+
+
+def posts(server, path: str, bodies: list[dict]) -> list[httpx.Response]:
+    return each_client(server, KEY, len(bodies), lambda i, client: client.post(path, json=bodies[i]))
 
 
 # ---- through a real server ---------------------------------------------------------------------------------
@@ -86,12 +91,8 @@ def test_concurrent_run_creations_never_pass_the_adapter_memory_limit(make_serve
     key = create_key(capsys, server, "--max-adapter-bytes", str(int(2.5 * cost)))
     with server.http(key) as http:
         sid = session(http)
-    clients = [server.http(key) for _ in range(THREADS)]
-    try:
-        answers = at_once(THREADS, lambda i: clients[i].post(f"/v1/sessions/{sid}/runs", json={"lora": LORA}))
-    finally:
-        for c in clients:
-            c.close()
+    answers = each_client(server, key, THREADS, lambda i, client: client.post(f"/v1/sessions/{sid}/runs",
+                                                                              json={"lora": LORA}))
     assert sorted(r.status_code for r in answers) == [201] * 2 + [429] * (THREADS - 2), \
         [(r.status_code, r.text[:80]) for r in answers]
     with server.http(key) as http:
@@ -106,12 +107,7 @@ def test_concurrent_operations_never_pass_the_queue_limit(make_server):
         runs = [new_run(http, sid) for _ in range(n)]
     # seq_id 1 of each run waits for its seq_id 0, never sent: each admitted one stays queued. (One run's seq_ids
     # would not do: one that a later, queued seq_id waits for is admitted over the limit, or the run could never move.)
-    clients = [server.http(KEY) for _ in range(n)]
-    try:
-        answers = at_once(n, lambda i: fb(clients[i], runs[i], 1))
-    finally:
-        for c in clients:
-            c.close()
+    answers = each_client(server, KEY, n, lambda i, client: fb(client, runs[i], 1))
     assert sorted(r.status_code for r in answers) == [202] * 4 + [429] * (n - 4), \
         [(r.status_code, r.text[:80]) for r in answers]
     with server.http(KEY) as http:
