@@ -28,17 +28,18 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 # ---- the plan -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("remaining,budget,starved,want", [
-    ([[10, 10], [5]], 100, [False, False], [2, 1]),  # everything fits: all whole
-    ([[100] * 10], 250, [False], [2]),  # alone: the longest prefix within the budget
-    ([[300]], 250, [False], [1]),  # alone and one datum over the budget: it still runs
-    ([[8] * 4] * 3 + [[60] * 20], 200, [False] * 4, [4, 4, 4, 1]),  # small ones whole, the rest to the big one
-    ([[60] * 20, [60] * 20], 200, [False, False], [1, 2]),  # two big ones share: what one leaves, the next takes
-    ([[30] * 5, [300]], 100, [False, False], [1, 0]),  # a datum over its share waits...
-    ([[30] * 5, [300]], 100, [False, True], [1, 1]),  # ...but never twice in a row
+@pytest.mark.parametrize("remaining,budget,credit,want,credit_after", [
+    ([[10, 10], [5]], 100, [0, 0], [2, 1], [0, 0]),  # everything fits: all whole
+    ([[100] * 10], 250, [0], [2], [50]),  # alone: the longest prefix within the budget, the rest kept
+    ([[300]], 250, [0], [1], [0]),  # alone and one datum over the budget: it still runs
+    ([[8] * 4] * 3 + [[60] * 20], 200, [0] * 4, [4, 4, 4, 1], [0, 0, 0, 44]),  # small ones whole, the rest to the big one
+    ([[60] * 20, [60] * 20], 200, [0, 0], [1, 2], [40, 20]),  # two big ones share: what one leaves, the next takes
+    ([[30] * 5, [300]], 100, [0, 0], [1, 0], [20, 50]),  # a datum over its share waits, earning an equal share...
+    ([[30] * 5, [300]], 100, [0, 250], [1, 1], [20, 0]),  # ...until its credit covers it
+    ([[300], [400]], 100, [0, 0], [1, 0], [0, 50]),  # nothing affordable: the nearest runs, the engine never idles
 ])
-def test_plan_micro_batches(remaining, budget, starved, want):
-    assert plan_micro_batches(remaining, budget, starved) == want
+def test_plan_micro_batches(remaining, budget, credit, want, credit_after):
+    assert plan_micro_batches(remaining, budget, credit) == (want, credit_after)
 
 
 @pytest.mark.parametrize("remaining,reserved,want", [
@@ -49,17 +50,34 @@ def test_plan_micro_batches(remaining, budget, starved, want):
     ([[10] * 3, [60] * 20], [150], [3, 1]),  # a ready small one runs whole; the reservation shrinks the big one
 ])
 def test_plan_reserves_the_share_of_runs_due_back(remaining, reserved, want):
-    assert plan_micro_batches(remaining, 200, [False] * len(remaining), reserved) == want
+    assert plan_micro_batches(remaining, 200, reserved=reserved)[0] == want
 
 
 def test_plan_is_max_min_fair():
     """However many small operations there are, each of them runs whole while a large one is split."""
     for n_small in (1, 5, 31):
         remaining = [[64] * 4 for _ in range(n_small)] + [[2048] * 64]
-        counts = plan_micro_batches(remaining, 16384, [False] * len(remaining))
+        counts, _ = plan_micro_batches(remaining, 16384)
         assert counts[:n_small] == [4] * n_small
         assert 1 <= counts[-1] < 64
         assert sum(sum(r[:c]) for r, c in zip(remaining, counts)) <= 16384
+
+
+def test_plan_shares_work_not_turns():
+    """31 runs of 4 x 64 tokens each call, and one whose datums cost 4000 each (a custom loss's graph work as
+    positions' worth): over many calls the costly run gets about an equal share of the work, not a datum every
+    other call (which would be 7.8x the others' work each)."""
+    budget, calls = 8192, 400
+    big, credit, work = [4000] * 1000, [0] * 32, [0] * 32
+    for _ in range(calls):
+        remaining = [[64] * 4 for _ in range(31)] + [big]
+        counts, credit = plan_micro_batches(remaining, budget, credit)
+        for i, (r, c) in enumerate(zip(remaining, counts)):
+            work[i] += sum(r[:c])
+        big = big[counts[-1]:]
+    small = sum(work[:31]) / 31
+    assert small == 256 * calls  # every small run ran whole every call
+    assert 0.8 <= work[-1] / small <= 1.2, work[-1] / small
 
 
 # ---- the worker ------------------------------------------------------------------------------

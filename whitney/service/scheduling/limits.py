@@ -83,21 +83,30 @@ def check_stops(limits: Limits, stop) -> None:
                            field="stop")
 
 
-def plan_micro_batches(remaining: list[list[int]], budget: int, starved: list[bool],
-                       reserved: list[int] = ()) -> list[int]:
-    """How many leading datums of each operation run in the next engine call.
+def plan_micro_batches(remaining: list[list[int]], budget: int, credit: list[int] | None = None,
+                       reserved: list[int] = ()) -> tuple[list[int], list[int]]:
+    """How many leading datums of each operation run in the next engine call, and each operation's credit
+    after it: deficit round robin (Shreedhar and Varghese), in tokens' worth of engine work.
 
-    remaining[i]: the token counts of operation i's datums not yet run. reserved: the usual demand (in
-    tokens) of each run that trained a moment ago and will be back with its next operation shortly (it
-    is waiting on its client, or on its optim_step): its share is set aside, so a large operation that
-    finds the worker free for an instant does not fill the whole call and hold that run up.
-    Operations and reservations are visited from the smallest to the largest; each may use an equal
-    share of what is left of `budget`. An operation that fits its share runs whole; a larger one runs
-    the longest prefix of datums that fits. One that got nothing last time (`starved[i]`), or is the only
-    one ready, runs at least one datum, so nothing waits forever; the call may then exceed the budget by at most
-    one datum per such operation.
+    remaining[i]: the costs of operation i's datums not yet run (tokens, and a custom loss's graph work as
+    positions' worth: `ForwardJob.shares`). credit[i]: what operation i earned in the calls it waited through
+    and has not spent (0 for a new one). reserved: the usual demand (in tokens) of each run that trained a
+    moment ago and will be back with its next operation shortly (it is waiting on its client, or on its
+    optim_step): its share is set aside, so a large operation that finds the worker free for an instant does
+    not fill the whole call and hold that run up.
+    Operations and reservations are visited from the smallest to the largest; each may use an equal share
+    of what is left of `budget`, plus its credit. An operation that fits runs whole; a larger one runs the
+    longest prefix of datums that fits. One whose next datum costs more than it may use waits, and earns
+    an equal share of the budget (budget / (operations + reservations)) per call it waits, so a datum that
+    costs k shares runs once in about k calls: a run's share of the engine is its share of the work, however
+    large its datums. Nothing waits forever, and the engine never idles while work is ready: a call that
+    would run nothing runs one datum of the operation nearest to affording it (the call may then exceed the
+    budget by that datum). An operation's credit after a call is what it may use and did not, 0 once it ran
+    whole.
     """
+    credit = list(credit) if credit is not None else [0] * len(remaining)
     demands = [(sum(r), i) for i, r in enumerate(remaining)] + [(d, -1) for d in reserved]
+    quantum = budget // max(len(demands), 1)  # an equal share: what a waiting operation earns per call
     counts = [0] * len(remaining)
     left, budget_left = len(demands), budget
     for demand, i in sorted(demands):
@@ -106,13 +115,15 @@ def plan_micro_batches(remaining: list[list[int]], budget: int, starved: list[bo
         if i < 0:  # a reservation: its share stays unused in this call
             budget_left -= min(demand, share)
             continue
-        used = 0
+        allowed, used = share + credit[i], 0
         for length in remaining[i]:
-            if used + length > share:
+            if used + length > allowed:
                 break
             counts[i] += 1
             used += length
-        if counts[i] == 0 and remaining[i] and (starved[i] or len(remaining) == 1):
-            counts[i], used = 1, remaining[i][0]
+        credit[i] = 0 if counts[i] == len(remaining[i]) else (allowed - used if counts[i] else credit[i] + quantum)
         budget_left -= used
-    return counts
+    if not any(counts) and any(remaining):  # nothing affordable: the nearest runs one datum
+        i = max((i for i, r in enumerate(remaining) if r), key=lambda i: credit[i] - remaining[i][0])
+        counts[i], credit[i] = 1, 0 if len(remaining[i]) == 1 else max(credit[i] - remaining[i][0], 0)
+    return counts, credit

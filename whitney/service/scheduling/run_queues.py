@@ -35,7 +35,7 @@ class RunQueue:
     finishing: bool = False
     progress: Progress | None = None  # of the operation at next_seq, once its first micro-batch ran
     served: int = 0  # the engine call that last ran its work (fairness: the least recently served first)
-    starved: bool = False  # got no datum in the last engine call it was ready for
+    credit: int = 0  # tokens' worth its operation at next_seq earned waiting and has not spent (`plan_micro_batches`)
     # When it last had a forward/forward_backward ready (engine call count, monotonic time) and its tokens:
     # for a while after, its share of each call is reserved (`plan_micro_batches`).
     active_call: int = -(10**9)
@@ -105,7 +105,7 @@ class RunQueues:
             queue = self._runs.get(operation.run_id)
             if queue is not None and queue.pending.pop(operation.seq_id, None) is not None:
                 queue.next_seq = operation.seq_id + 1
-                queue.progress = None
+                queue.progress, queue.credit = None, 0
 
     def end(self, run_id: str, status: OperationStatus, error: dict) -> None:
         """The run's queue goes (cancelled, or lost with its worker): its operation part-way through its

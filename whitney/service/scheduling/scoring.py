@@ -29,7 +29,7 @@ class Scoring:
         """Score the next chunk of sequences (at most max_batch_tokens tokens); its Failure (datum_index
         within the whole request), or None."""
         lengths = [known_length(s) for s in self.sequences[self.done:]]  # positions, an image as its expected_tokens
-        (count,) = plan_micro_batches([lengths], max_batch_tokens, [False])
+        (count,), _ = plan_micro_batches([lengths], max_batch_tokens)
         try:
             self.logprobs += backend.compute_logprobs(self.sequences[self.done:self.done + count], self.weights)
         except BaseException as e:

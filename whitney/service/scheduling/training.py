@@ -104,13 +104,16 @@ class Training:
         return True
 
     def _shares(self, items: list[tuple[RunQueue, OperationRecord, ForwardJob]], now: float) -> list[int]:
-        """How many datums of each item the next engine call runs: the least recently served first, each
-        run's share reserved for a while after it last had work ready (`plan_micro_batches`)."""
+        """How many datums of each item the next engine call runs, each run's share reserved for a while after
+        it last had work ready, by deficit round robin (`plan_micro_batches`): the items' credits move on."""
         remaining = [job.shares[queue.progress.done if queue.progress else 0:] for queue, _, job in items]
         waiting = {id(q) for q, _, _ in items}
         reserved = [q.active_tokens for q in self.queues.queues() if id(q) not in waiting and q.active_tokens
                     and (self.calls_made - q.active_call <= 2 or now - q.active_at <= self.recent_seconds)]
-        return plan_micro_batches(remaining, self.max_batch_tokens, [q.starved for q, _, _ in items], reserved)
+        counts, credit = plan_micro_batches(remaining, self.max_batch_tokens, [q.credit for q, _, _ in items], reserved)
+        for (queue, _, _), earned in zip(items, credit):
+            queue.credit = earned
+        return counts
 
     def _batch(self, ready: list[tuple[RunQueue, OperationRecord, ForwardJob]]) -> list[End]:
         """One engine call: the least recently served run's kind (forward or forward_backward), and the
@@ -130,7 +133,6 @@ class Training:
                                                               for i in starting]))) if starting else {}
         planned, requests = [], []
         for (queue, op, job), count in zip(items, counts):
-            queue.starved = count == 0
             if count == 0:
                 continue
             if queue.progress is None:
@@ -143,7 +145,7 @@ class Training:
             planned.append((queue, op, job, start, start + count))
             requests.append(ForwardRequest(op.run_id, job.data[start:start + count], job.loss_fn, job.loss_config,
                                            stage=op.id if queue.progress.staged else None))
-        if not requests:  # every share was under one datum: each runs at least one next time (starved)
+        if not requests:  # every datum planned ended while queued (cancelled)
             return []
         backward = kind == OperationKind.FORWARD_BACKWARD
         try:
