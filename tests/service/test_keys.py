@@ -15,6 +15,7 @@ import pytest
 from tests.service.test_flow import ADAM, expect, sft_batch, succeeded
 from whitney import cli
 from whitney.service.api.native import schemas
+from whitney.service.http import refusals
 from whitney.service.store import keys as keyring, quotas
 from whitney.service.store.key_limits import KeyLimits
 
@@ -446,3 +447,46 @@ def test_finished_runs_give_their_memory_back(make_server):
     assert grown > 20 * 10 * 2**20, f"the runs should hold > 200 MB, held {grown / 2**20:.0f} MB"
     assert after - before < 0.15 * grown, \
         f"RSS before {before / 2**20:.0f} MB, with the runs {during / 2**20:.0f} MB, after {after / 2**20:.0f} MB"
+
+
+def test_a_key_whose_requests_are_refused_waits_for_its_budget(make_server, monkeypatch):
+    """max_refusals_per_minute: a key's refused requests (4xx for what they hold) spend its budget, one more per
+    MiB of body; once spent, its requests wait for the budget to refill, and one that would wait more than
+    MAX_WAIT is answered 429 at once, its body unread. Another key's requests are not held up."""
+    skipped = [0.0]  # the budget's clock runs this far ahead of the real one
+    monkeypatch.setattr(refusals, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + skipped[0]))
+    server = make_server(api_keys=[KEY, "k-other"], key_limits=KeyLimits(max_refusals_per_minute=3))
+    deep = {"user_metadata": {"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}
+    with server.http(KEY) as http, server.http("k-other") as other:
+        for _ in range(3):
+            assert http.post("/v1/sessions", json=deep).status_code == 400
+        refused = http.post("/v1/sessions", json={})  # valid, but the key's budget is spent: 20 s away
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "20", refused.text
+        body = refused.json()
+        assert body["code"] == "too_many_refusals" and body["field"] == "max_refusals_per_minute" \
+            and body["limit"] == 3, body
+        assert set(body) <= set(schemas.Error.model_fields), body
+        # Answered before its body is read: a body the server would refuse as too large is not looked at.
+        huge = http.post("/v1/sessions", content=b"{" * (server.config.limits.max_request_bytes + 1),
+                         headers={"content-type": "application/json"})
+        assert huge.status_code == 429, huge.text
+        assert other.post("/v1/sessions", json=deep).status_code == 400  # the other key: its own budget
+        assert other.post("/v1/sessions", json={}).status_code == 201
+        skipped[0] += 20  # the wait it asked for
+        session(http)  # admitted again; a valid request spends nothing
+        session(http)
+        # A refused body of 2 MiB spends 1 + 2 of the 1 refilled: the budget is owed 2, 3 refills (60 s) away.
+        assert http.post("/v1/sessions", content=b"[" + b" " * (2 << 20) + b"]",
+                         headers={"content-type": "application/json"}).status_code in (400, 422)
+        assert http.post("/v1/sessions", json={}).headers.get("Retry-After") == "60"
+
+
+def test_a_request_within_max_wait_waits_and_runs(make_server):
+    """Once the budget is spent, a request that the budget lets in within MAX_WAIT waits for it, then runs."""
+    server = make_server(api_keys=[KEY], key_limits=KeyLimits(max_refusals_per_minute=60))  # one back per second
+    with server.http(KEY) as http:
+        for _ in range(60):
+            assert http.post("/v1/sessions", json={"user_metadata": 1}).status_code in (400, 422)
+        start = time.monotonic()
+        session(http)
+        assert time.monotonic() - start >= 0.5  # it waited for the budget (about 1 s less the time the loop took)

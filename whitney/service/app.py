@@ -26,6 +26,7 @@ from whitney.service.http import handlers
 from whitney.service.http.bodies import path_methods, read_body, replaying
 from whitney.service.http.deps import ServiceState, Unauthorized, new_app
 from whitney.service.http.metrics import Metrics
+from whitney.service.http.refusals import Refusals
 from whitney.service.http.text import TextCheck
 from whitney.service.scheduling.limits import Limits
 from whitney.service.scheduling.scheduler import Scheduler
@@ -129,6 +130,7 @@ def create_app(config: ServiceConfig, backend: ServedBackend | None = None,
     app.add_middleware(TextCheck)  # inside BodyLimit: it reads bodies BodyLimit has bounded
     app.add_middleware(BodyLimit, limit=config.limits.max_request_bytes)
     app.add_middleware(AllowedMethods)  # OPTIONS, and Allow on a 405
+    app.add_middleware(Refusals, budget=app.state.whitney.quotas.refusals)  # inside KeyGate: it names the owner
     app.add_middleware(KeyGate, keys=keys)  # outermost: with keys on, nothing but /healthz answers without one
 
     handlers.install(app, STATUS)

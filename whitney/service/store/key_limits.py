@@ -25,6 +25,9 @@ class KeyLimits:
         "help": "operations queued or running, training and sampling"})
     max_tokens_per_minute: int = field(default=0, metadata={
         "help": "forward and forward_backward tokens submitted in the last 60 s"})
+    max_refusals_per_minute: int = field(default=120, metadata={
+        "help": "requests refused for what they hold (400, 413, 415, 422; one more per MiB of body) per minute: "
+                "beyond it the key's requests wait for the budget (http/refusals.py)"})
 
     def override(self, own: dict) -> "KeyLimits":
         """These limits, with each of a key's own (not None) in their place."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from sqlalchemy import inspect, text
 
-from whitney.service.store.tables import OperationRow, PackageRow, SessionRow
+from whitney.service.store.tables import KeyRow, OperationRow, PackageRow, SessionRow
 
 
 def migrate(engine) -> None:
-    """ALTER TABLE ... ADD COLUMN for each column of the packages, sessions and operations tables the database
+    """ALTER TABLE ... ADD COLUMN for each column of the packages, sessions, operations and api_keys tables the database
     lacks, and CREATE INDEX for each named index of the operations table it lacks. (A new table, such as
     run_samples, is made by create_all.)"""
     found = inspect(engine)
@@ -21,7 +21,7 @@ def migrate(engine) -> None:
         for index in table.indexes:
             if index.name not in have:
                 index.create(engine)
-    for table in (PackageRow.__table__, SessionRow.__table__, OperationRow.__table__):
+    for table in (PackageRow.__table__, SessionRow.__table__, OperationRow.__table__, KeyRow.__table__):
         if not found.has_table(table.name):
             continue
         have = {c["name"] for c in found.get_columns(table.name)}

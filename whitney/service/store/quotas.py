@@ -22,6 +22,7 @@ from whitney.protocol.training import LoraConfig
 from whitney.service.store.database import Store
 from whitney.service.store.key_limits import KeyLimits
 from whitney.service.store.keys import KeyRing
+from whitney.service.store.refusals import RefusalBudget
 
 WINDOW = 60.0  # seconds of the tokens-per-minute window
 HELD_RETRY = 10  # Retry-After (s) when usage drops only as the client ends something (sessions, runs)
@@ -53,6 +54,8 @@ class Quotas:
         self._tokens: dict[str, deque[tuple[float, int]]] = {}  # owner -> (time, tokens) of the last minute
         self._lock = threading.RLock()  # _spend reads the window while holding it
         self._validating: dict[str, int] = {}  # owner -> its requests being validated now
+        # Refused requests, spent and waited on by http/refusals.py's middleware (on the event loop only).
+        self.refusals = RefusalBudget(lambda owner: self.limits(owner).max_refusals_per_minute)
 
     def limits(self, owner: str) -> KeyLimits:
         return self.defaults.override(self.keys.own_limits(owner))
@@ -62,7 +65,8 @@ class Quotas:
         held = self.store.usage(owner)
         return {"sessions": held["sessions"], "runs": len(held["runs"]),
                 "adapter_bytes": sum(self.run_bytes(b, lora) for b, lora in held["runs"]),
-                "queued_operations": held["operations"], "tokens_per_minute": self._window(owner, time.time())[1]}
+                "queued_operations": held["operations"], "tokens_per_minute": self._window(owner, time.time())[1],
+                "refusals_per_minute": self.refusals.spent(owner, time.monotonic())}
 
     # ---- checks, each before the request adds to what it counts ---------------------------------
 

@@ -110,6 +110,7 @@ class KeyRecord:
     max_adapter_bytes: int | None
     max_queued_operations: int | None
     max_tokens_per_minute: int | None
+    max_refusals_per_minute: int | None
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class KeyRow(Base):
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_queued_operations: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_refusals_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class RunSampleRow(Base):
