@@ -18,8 +18,10 @@ def serve(config, host: str, port: int, log_level: str) -> int:
     import threading
 
     from whitney.errors import WhitneyError
+    from whitney.heap import share_arenas
     from whitney.service.app import create_app, serve_in_thread
 
+    share_arenas()  # before the request threads start: they share the heap's freed memory, not each keep its own
     # HTTP on a thread, the engine's worker loop on the main thread (see Scheduler.run for why).
     try:
         app = create_app(config, worker_thread=False)

@@ -394,12 +394,13 @@ def test_large_images_decoded_on_request_threads_leave_no_memory_behind(engine, 
     """Issue 31: each request thread that decoded a large image kept its freed buffers in its own malloc arena (the
     hostile benchmark's server grew by hundreds of MB). Decoding an image of RELEASE_PIXELS or more gives freed
     memory back: four threads, each decoding a different 4096 x 4096 image (48 MiB of RGB each), leave the process
-    about as large as before."""
+    about as large as before. And they take turns: at most DECODING_PIXELS pixels (one such image) are being
+    decoded at once, so the buffers of four decodes are never resident together."""
     from concurrent.futures import ThreadPoolExecutor
 
     from PIL import Image
 
-    from whitney.engine.families.vision import ProcessedImages
+    from whitney.engine.families.vision import DECODING, DECODING_PIXELS, ProcessedImages
 
     def jpeg(seed: int) -> ImageInput:
         out = io.BytesIO()
@@ -411,10 +412,11 @@ def test_large_images_decoded_on_request_threads_leave_no_memory_behind(engine, 
     expand.vision.processed = ProcessedImages()  # none of these is processed already
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda im: expand.expand(im, None, 1), images[:1]))  # the threads' arenas exist
-        before = _rss_mib()
+        before, DECODING.most = _rss_mib(), 0
         list(pool.map(lambda im: expand.expand(im, None, 1), images))
         grown = _rss_mib() - before
     assert grown < 100, f"{grown:.0f} MiB kept after decoding"
+    assert DECODING.most == 4096 * 4096 == DECODING_PIXELS  # one at a time
 
 
 @pytest.mark.parametrize("size", [(300, 200), (64, 96), (1000, 37), (17, 23), (2048, 1536)])

@@ -13,7 +13,7 @@ from whitney.engine.families import chat
 from whitney.engine.families.lora import adaptable_short_names, lora_numel, validate_lora_config
 from whitney.engine.families.model import COMPUTE_DTYPES, BaseModel
 from whitney.engine.losses.builtin import LossMethods
-from whitney.engine.memory.allocator import keep_freed_memory
+from whitney.heap import keep_freed_memory
 from whitney.engine.sampling.sampler import SampleRequest
 from whitney.engine.threads import ComputeThreads
 from whitney.engine.training.runs import Engine
@@ -79,7 +79,7 @@ class InProcessBackend(chat.TextMethods, LossMethods):
     def start(cls, config: EngineConfig, models: list[str], threads: ComputeThreads | None = None
               ) -> "InProcessBackend":
         """An engine with `config`, its base models loaded; the process's heap keeps freed memory for reuse
-        (allocator.py: no page faults on every call's large tensors). Its compute threads: `threads`, else as
+        (whitney/heap.py: no page faults on every call's large tensors). Its compute threads: `threads`, else as
         `config.threads` says, on the CPUs this process may use."""
         keep_freed_memory()
         check_threads(config.threads)

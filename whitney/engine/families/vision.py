@@ -33,17 +33,19 @@ import hashlib
 import io
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from whitney.engine.memory.allocator import release_memory
+from whitney.heap import release_memory
 from whitney.errors import InvalidInput
 from whitney.protocol.config import shown_name
 from whitney.protocol.training import IMAGE_AFTER_IMAGE, ImageInput
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 CACHED_PIXEL_BYTES = 256 * 2**20  # processed images kept per base model (ProcessedImages)
+DECODING_PIXELS = 1 << 24  # pixels decoded at once in one process (PixelBudget): a 4096 x 4096 image's
 RELEASE_PIXELS = 1 << 20  # decoding an image this large (or larger) gives freed memory back to the system after
 FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3")  # tested in tests/engine/test_vision.py; others are served as text
 FIELD = "model_input"
@@ -95,6 +97,33 @@ class ProcessedImages:
             while self._bytes > self.max_bytes:
                 _, old = self._images.popitem(last=False)
                 self._bytes -= old.pixel_values.numel() * old.pixel_values.element_size()
+
+
+class PixelBudget:
+    """At most `budget` pixels being decoded and processed at once in this process, across every thread and base
+    model (an image larger than the budget alone): a decode's buffers (a progressive JPEG's coefficients, the
+    full-size RGB image) are the largest transient memory a request can make, and several request threads
+    decoding the largest images at once multiplied it. A thread waits for its turn."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used, self.most = budget, 0, 0  # most: the highest `used` seen (tests read it)
+        self._turn = threading.Condition()
+
+    @contextmanager
+    def hold(self, pixels: int):
+        with self._turn:
+            self._turn.wait_for(lambda: self.used == 0 or self.used + pixels <= self.budget)
+            self.used += pixels
+            self.most = max(self.most, self.used)
+        try:
+            yield
+        finally:
+            with self._turn:
+                self.used -= pixels
+                self._turn.notify_all()
+
+
+DECODING = PixelBudget(DECODING_PIXELS)
 
 
 @dataclass
@@ -176,7 +205,7 @@ class ImageExpander:
         if processed is None:
             processed, pixels = self._process(image, where, index)
             self.vision.processed.put(key, processed)
-            if pixels >= RELEASE_PIXELS:  # its decoded buffers, freed, would stay in this thread's malloc arena
+            if pixels >= RELEASE_PIXELS:  # its decoded buffers, freed, would stay in the heap (up to its trim threshold)
                 release_memory()
         if image.expected_tokens is not None and image.expected_tokens != processed.tokens:
             raise InvalidInput(f"{where}: expected_tokens is {image.expected_tokens}, but the model's processor "
@@ -190,18 +219,21 @@ class ImageExpander:
         from PIL import Image
 
         try:
-            decoded = Image.open(io.BytesIO(bytes(image.data)))
-            found = decoded.format
-            decoded.load()  # reads every pixel: a truncated file fails here
-            rgb = decoded if decoded.mode == "RGB" else decoded.convert("RGB")
+            decoded = Image.open(io.BytesIO(bytes(image.data)))  # the header only
         except Exception as e:  # Pillow raises many kinds for corrupt data
-            raise InvalidInput(f"{where}: the image cannot be decoded as {image.format} ({type(e).__name__})",
-                               field=_field(index), datum_index=index) from None
-        if found != FORMATS[image.format]:
-            raise InvalidInput(f"{where}: the image is declared {image.format} but its bytes are {found}",
+            raise self._undecodable(image, where, index, e) from None
+        if decoded.format != FORMATS[image.format]:
+            raise InvalidInput(f"{where}: the image is declared {image.format} but its bytes are {decoded.format}",
                                field=_field(index), datum_index=index)
-        pixels = rgb.width * rgb.height
-        out = self.vision.image_processor(images=[self._presized(rgb, where, index)], return_tensors="pt")
+        pixels = decoded.width * decoded.height
+        with DECODING.hold(pixels):
+            try:
+                decoded.load()  # reads every pixel: a truncated file fails here
+                rgb = decoded if decoded.mode == "RGB" else decoded.convert("RGB")
+            except Exception as e:
+                raise self._undecodable(image, where, index, e) from None
+            out = self.vision.image_processor(images=[self._presized(rgb, where, index)], return_tensors="pt")
+            del decoded, rgb
         if self.vision.family == "qwen":
             grid = out["image_grid_thw"][0]  # [3]
             merge = int(self.vision.image_processor.merge_size)
@@ -209,6 +241,11 @@ class ImageExpander:
         else:
             processed = ProcessedImage(out["pixel_values"], None, int(self.vision.tokens_per_image))
         return processed, pixels
+
+    @staticmethod
+    def _undecodable(image: ImageInput, where: str, index: int | None, e: Exception) -> InvalidInput:
+        return InvalidInput(f"{where}: the image cannot be decoded as {image.format} ({type(e).__name__})",
+                            field=_field(index), datum_index=index)
 
     def _presized(self, rgb, where: str, index: int | None):
         """The decoded image resized by Pillow to the size the model's processor resizes it to, as the processor's

@@ -1,3 +1,3 @@
-"""Where run state lives: idle runs paged to disk and back (paging.py, page_file.py), the process heap
-(allocator.py).
+"""Where run state lives: idle runs paged to disk and back (paging.py, page_file.py). The process heap is
+whitney/heap.py (torch-free: the service tunes it too).
 """

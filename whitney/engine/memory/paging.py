@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from whitney.engine.families.lora import Adapter
-from whitney.engine.memory.allocator import release_memory
+from whitney.heap import release_memory
 from whitney.engine.memory.page_file import Layout, PagedMoments, PageFileLost, read_file, write_file
 from whitney.engine.sampling.rows import SampleRequest
 from whitney.engine.training.optim import OptimizerState

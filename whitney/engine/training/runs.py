@@ -20,7 +20,7 @@ from whitney.engine.families.lora import Adapter, copy_adapter, init_adapter
 from whitney.engine.families.model import COMPUTE_DTYPES, load_base_model, resolve_compute_dtype, resolve_device
 from whitney.engine.losses.builtin import LOSSES
 from whitney.engine.losses.datum import prepare_datum
-from whitney.engine.memory.allocator import release_memory
+from whitney.heap import release_memory
 from whitney.engine.memory.paging import Pager, RunStateLost
 from whitney.engine.sampling.rows import SampleRequest
 from whitney.engine.sampling.sampler import Sampler
