@@ -28,6 +28,8 @@ Two phases of equal length, in one run:
     surrogate         a JSON body ["\\ud800", 0, 0, ...] of 3 MiB to /healthz, without a key;
     deep_metadata     a session whose user_metadata nests 300 levels (600 bytes): refused at the edge; and, by a
                       well-behaved key, GET /v1/checkpoints?public=true, which must keep working.
+  Every key has the server's default limits: the hostile key's refused requests soon spend its
+  max_refusals_per_minute (120), and its requests then wait for that budget (service/http/refusals.py).
 Figures: the well-behaved clients' p99 forward_backward latency in each phase, from submission to result as the
 server stamps them (created_at -> finished_at), and their ratio hostile / alone (target at most 3); every 5xx
 answer over all clients, well-behaved (each response they get, retried ones included), hostile and the /healthz
