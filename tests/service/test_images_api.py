@@ -533,7 +533,7 @@ def test_images_are_decoded_before_queueing_at_a_low_priority_never_on_the_worke
     and a scoring's too, so their expanded length is known then), on a heavy-check thread whose CPU priority is
     lowered (http/heavy.py: SCHED_IDLE, and nice 10), and the worker finds it processed: the worker thread never decodes one."""
     from whitney.engine.families.vision import ImageExpander
-    from whitney.service.http.heavy import HEAVY_NICE
+    from whitney.priority import LOWERED_NICE
 
     decoded, real = [], ImageExpander._process
 
@@ -557,5 +557,5 @@ def test_images_are_decoded_before_queueing_at_a_low_priority_never_on_the_worke
         wait(http, http.post(f"/v1/runs/{run}/forward_backward", json={"seq_id": 0,
                                                                        "data": [vl_datum(fresh[2], k)]}).json())
     assert len(decoded) == 2, decoded
-    assert all(name.startswith("whitney-heavy") and nice >= HEAVY_NICE and policy == os.SCHED_IDLE
+    assert all(name.startswith("whitney-heavy") and nice >= LOWERED_NICE and policy == os.SCHED_IDLE
                for name, nice, policy in decoded), decoded

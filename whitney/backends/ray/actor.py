@@ -17,6 +17,7 @@ from whitney.backends.in_process import InProcessBackend
 from whitney.backends.ray.calls import Call, Raised
 from whitney.engine.threads import ComputeThreads
 from whitney.errors import WhitneyError
+from whitney.priority import lower_this_thread
 from whitney.protocol.backend import Failure, ModelInfo, WorkerLost
 from whitney.protocol.config import EngineConfig
 
@@ -52,7 +53,10 @@ class ModelWorker:
 
     def run(self, call: Call[T]) -> T | Raised:
         """The call on this worker's backend: its answer, or the WhitneyError it raised as data (or the
-        WorkerLost: a run whose paged-out state could not be read back)."""
+        WorkerLost: a run whose paged-out state could not be read back). A heavy call runs on a CHECKS thread,
+        beside the others, at the lowest CPU priority."""
+        if call.heavy:
+            lower_this_thread()  # one of the CHECKS group's threads: lowered for good
         try:
             return call.on(self.backend)
         except (WhitneyError, WorkerLost) as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 from whitney.protocol.backend import Failure, PackageKind, Residency, Weights
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
@@ -20,10 +20,16 @@ if TYPE_CHECKING:
     from whitney.backends.in_process import InProcessBackend
 
 T = TypeVar("T")
+CHECKS = "checks"  # the Ray concurrency group of a worker's heavy calls
+CHECK_THREADS = 2  # its threads: a worker's heavy calls at once (each key has at most 2 heavy checks at once)
 
 
 class Call(Generic[T]):
-    """One call for a worker's backend; the worker sends back what `on` returns."""
+    """One call for a worker's backend; the worker sends back what `on` returns. A `heavy` call (a request's check:
+    images decoded and processed) runs beside the others, on one of CHECK_THREADS threads of the worker's at the
+    lowest CPU priority (whitney/priority.py), not in their turn: training never waits behind one."""
+
+    heavy: ClassVar[bool] = False
 
     def on(self, backend: InProcessBackend) -> T:
         raise NotImplementedError
@@ -40,6 +46,7 @@ class Raised:
 class Validate(Call[Checked]):
     request: ForwardRequest
     backward: bool
+    heavy: ClassVar[bool] = True
 
     def on(self, backend: InProcessBackend) -> Checked:
         return backend.validate(self.request, self.backward)
@@ -49,6 +56,7 @@ class Validate(Call[Checked]):
 class ImageTokens(Call[list[int]]):
     base_model: str
     chunks: list
+    heavy: ClassVar[bool] = True
 
     def on(self, backend: InProcessBackend) -> list[int]:
         return backend.image_tokens(self.base_model, self.chunks)

@@ -17,7 +17,7 @@ import time
 from typing import TypeVar
 
 from whitney.backends.ray.actor import ModelWorker
-from whitney.backends.ray.calls import Call, Raised
+from whitney.backends.ray.calls import CHECK_THREADS, CHECKS, Call, Raised
 from whitney.backends.ray.placement import Placement
 from whitney.backends.ray.workers import Role, Worker
 from whitney.errors import InvalidInput, NotFound, Unavailable
@@ -50,7 +50,7 @@ class Supervisor:
         self._names: dict[str, str] = {}  # every name a model goes by (served name, --model) -> served name
         self._run_model: dict[str, str] = {}
         self._lost: list[str] = []
-        actor = ray.remote(ModelWorker)
+        actor = ray.remote(concurrency_groups={CHECKS: CHECK_THREADS})(ModelWorker)  # heavy calls beside the rest
         env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # every worker's, whoever started Ray
         try:
             for p in placements:

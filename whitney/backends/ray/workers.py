@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from whitney.backends.ray.calls import Call
+from whitney.backends.ray.calls import CHECKS, Call
 
 
 class Role(str, Enum):
@@ -41,8 +41,10 @@ class Worker:
         return f"the {self.role.value} worker of {self.model!r} (pid {self.pid}{ranks})"
 
     def submit(self, call: Call) -> list:
-        """The same call on every rank; their refs, rank 0's first."""
-        return [rank.run.remote(call) for rank in self.ranks]
+        """The same call on every rank; their refs, rank 0's first. A heavy call goes to the ranks' CHECKS threads,
+        beside the calls in turn."""
+        run = [rank.run.options(concurrency_group=CHECKS) if call.heavy else rank.run for rank in self.ranks]
+        return [method.remote(call) for method in run]
 
     def collect(self, ray, refs: list) -> Any:
         """Rank 0's answer to a call made on every rank. Each rank's answer is awaited as it comes, so a rank
