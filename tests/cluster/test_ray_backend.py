@@ -258,12 +258,13 @@ def test_every_worker_process_takes_the_thread_setting(ray_cluster, tiny_llama):
 def test_a_heavy_check_runs_beside_the_call_in_turn_at_the_lowest_priority(ray_cluster, tiny_llama):
     """Issue 31: an image check (ImageTokens, Validate with images) ran in the worker's turn, so training waited
     behind the decoding. A heavy call goes to the worker's CHECKS threads: it is answered while a call in turn
-    still holds the worker, and runs at SCHED_IDLE (whitney/priority.py)."""
+    still holds the worker, and runs at a lowered priority (whitney/priority.py)."""
     import os
 
     import ray
 
     from whitney.backends.ray.calls import CHECKS, ImageTokens
+    from whitney.priority import LOWERED_NICE
     from whitney.protocol.training import ImageInput
 
     chunk = ImageInput(b"\x89PNG\r\n\x1a\n", "png")
@@ -275,9 +276,10 @@ def test_a_heavy_check_runs_beside_the_call_in_turn_at_the_lowest_priority(ray_c
         with pytest.raises(InvalidInput, match="takes no images"):  # the worker's own answer: a text model
             backend.image_tokens("tiny", [chunk])
         assert ray.wait([busy], timeout=0)[1] == [busy]  # answered while the call in turn still ran
-        policy = ray.get(actor.__ray_call__.options(concurrency_group=CHECKS).remote(
-            lambda worker: (worker.run(ImageTokens("tiny", [chunk])), os.sched_getscheduler(0))[1]))
-        assert policy == os.SCHED_IDLE
+        nice = ray.get(actor.__ray_call__.options(concurrency_group=CHECKS).remote(
+            lambda worker: (worker.run(ImageTokens("tiny", [chunk])),
+                            os.getpriority(os.PRIO_PROCESS, __import__("threading").get_native_id()))[1]))
+        assert nice == LOWERED_NICE
         ray.get(busy)
     finally:
         backend.close()

@@ -531,16 +531,14 @@ def test_images_are_decoded_before_queueing_at_a_low_priority_never_on_the_worke
     """Issue 31: a sample of large images held the worker thread (decoding and processing them) while every run's
     training waited behind it. Each image is decoded and processed once, before the request is queued (a sample's
     and a scoring's too, so their expanded length is known then), on a heavy-check thread whose CPU priority is
-    lowered (http/heavy.py: SCHED_IDLE, and nice 10), and the worker finds it processed: the worker thread never decodes one."""
+    lowered (http/heavy.py), and the worker finds it processed: the worker thread never decodes one."""
     from whitney.engine.families.vision import ImageExpander
     from whitney.priority import LOWERED_NICE
 
     decoded, real = [], ImageExpander._process
 
     def process(self, *args):
-        tid = threading.get_native_id()
-        decoded.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid),
-                        os.sched_getscheduler(tid)))
+        decoded.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
         return real(self, *args)
 
     images = [draw_image(64, 64, seed) for seed in (901, 902, 903)]  # processed by no test before
@@ -557,5 +555,4 @@ def test_images_are_decoded_before_queueing_at_a_low_priority_never_on_the_worke
         wait(http, http.post(f"/v1/runs/{run}/forward_backward", json={"seq_id": 0,
                                                                        "data": [vl_datum(fresh[2], k)]}).json())
     assert len(decoded) == 2, decoded
-    assert all(name.startswith("whitney-heavy") and nice >= LOWERED_NICE and policy == os.SCHED_IDLE
-               for name, nice, policy in decoded), decoded
+    assert all(name.startswith("whitney-heavy") and nice >= LOWERED_NICE for name, nice in decoded), decoded

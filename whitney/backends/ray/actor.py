@@ -54,7 +54,7 @@ class ModelWorker:
     def run(self, call: Call[T]) -> T | Raised:
         """The call on this worker's backend: its answer, or the WhitneyError it raised as data (or the
         WorkerLost: a run whose paged-out state could not be read back). A heavy call runs on a CHECKS thread,
-        beside the others, at the lowest CPU priority."""
+        beside the others, at a lowered CPU priority."""
         if call.heavy:
             lower_this_thread()  # one of the CHECKS group's threads: lowered for good
         try:

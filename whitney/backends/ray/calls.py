@@ -26,8 +26,8 @@ CHECK_THREADS = 2  # its threads: a worker's heavy calls at once (each key has a
 
 class Call(Generic[T]):
     """One call for a worker's backend; the worker sends back what `on` returns. A `heavy` call (a request's check:
-    images decoded and processed) runs beside the others, on one of CHECK_THREADS threads of the worker's at the
-    lowest CPU priority (whitney/priority.py), not in their turn: training never waits behind one."""
+    images decoded and processed) runs beside the others, on one of CHECK_THREADS threads of the worker's at a
+    lowered CPU priority (whitney/priority.py), not in their turn: training never waits behind one."""
 
     heavy: ClassVar[bool] = False
 

@@ -3,7 +3,7 @@
 They run before a request is queued, so a bad one is a 4xx now, but they are CPU work the engine's compute
 threads would otherwise share their cores with: on a 2-core machine one request thread decoding 4096 x 4096
 JPEGs slowed every other tenant's training several times over (bench/hostile.py). So each runs on one of
-HEAVY_THREADS threads of their own at the lowest CPU priority (whitney/priority.py: SCHED_IDLE), where the
+HEAVY_THREADS threads of their own at a lowered CPU priority (whitney/priority.py: nice 10), where the
 engine's threads come first and the check takes the time they leave; the request's thread waits for it.
 Each is also one of its key's heavy checks (Quotas.validating: at most 2 of a key's at once, its tokens counted).
 """
