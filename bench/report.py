@@ -323,7 +323,9 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
             lines.append(f"| {name}: **failed** ({r['error']}) | - | - | **miss** |")
         for c in r.get("checks", []):
             target = "-" if c.get("target") is None else f"{c['op']} {fmt(c['target'], c.get('unit'))}"
-            lines.append(f"| {c['name']} | {fmt(c.get('ratio'), c.get('unit'))} | {target} | {verdict(c)} |")
+            served = " ".join(r.get("settings", {}).get("serve_args") or [])  # a run with other `serve` flags says so
+            label = f"({served}) {c['name']}" if served else c["name"]
+            lines.append(f"| {label} | {fmt(c.get('ratio'), c.get('unit'))} | {target} | {verdict(c)} |")
     lines += ["", "## Absolute figures (medians) and settings", ""]
     for name, r in results.items():
         lines += [f"### {name}", "", f"- {absolute(name, r)}", f"- settings: {settings(r)}"]
