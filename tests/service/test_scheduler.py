@@ -35,7 +35,9 @@ TERMINAL = ("succeeded", "failed", "cancelled")
     ([[8] * 4] * 3 + [[60] * 20], 200, [0] * 4, [4, 4, 4, 1], [0, 0, 0, 44]),  # small ones whole, the rest to the big one
     ([[60] * 20, [60] * 20], 200, [0, 0], [1, 2], [40, 20]),  # two big ones share: what one leaves, the next takes
     ([[30] * 5, [300]], 100, [0, 0], [1, 0], [20, 50]),  # a datum over its share waits, earning an equal share...
-    ([[30] * 5, [300]], 100, [0, 250], [1, 1], [20, 0]),  # ...until its credit covers it
+    ([[30] * 5, [300]], 100, [0, 250], [1, 0], [20, 300]),  # ...until its credit alone pays for it...
+    ([[30] * 5, [300]], 100, [0, 300], [1, 1], [20, 0]),  # ...then it runs, past the budget by that datum
+    ([[4] * 5], 10, [2], [2], [2]),  # a credit never grows a call past the budget
     ([[300], [400]], 100, [0, 0], [1, 0], [0, 50]),  # nothing affordable: the nearest runs, the engine never idles
 ])
 def test_plan_micro_batches(remaining, budget, credit, want, credit_after):

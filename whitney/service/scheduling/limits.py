@@ -95,14 +95,14 @@ def plan_micro_batches(remaining: list[list[int]], budget: int, credit: list[int
     optim_step): its share is set aside, so a large operation that finds the worker free for an instant does
     not fill the whole call and hold that run up.
     Operations and reservations are visited from the smallest to the largest; each may use an equal share
-    of what is left of `budget`, plus its credit. An operation that fits runs whole; a larger one runs the
-    longest prefix of datums that fits. One whose next datum costs more than it may use waits, and earns
-    an equal share of the budget (budget / (operations + reservations)) per call it waits, so a datum that
-    costs k shares runs once in about k calls: a run's share of the engine is its share of the work, however
-    large its datums. Nothing waits forever, and the engine never idles while work is ready: a call that
-    would run nothing runs one datum of the operation nearest to affording it (the call may then exceed the
-    budget by that datum). An operation's credit after a call is what it may use and did not, 0 once it ran
-    whole.
+    of what is left of `budget`, topped up by its credit as far as the budget goes. An operation that fits
+    runs whole; a larger one runs the longest prefix of datums that fits. One whose next datum costs more
+    than it may use waits, and earns an equal share of the budget (budget / (operations + reservations)) per
+    call it waits, until its credit alone pays for that datum: then it runs, the call exceeding the budget by
+    that datum if need be. So a datum that costs k shares runs once in about k calls: a run's share of the
+    engine is its share of the work, however large its datums. Nothing waits forever, and the engine never
+    idles while work is ready: a call that would run nothing runs one datum of the operation nearest to
+    affording it. An operation's credit after a call is what it may use and did not, 0 once it ran whole.
     """
     credit = list(credit) if credit is not None else [0] * len(remaining)
     demands = [(sum(r), i) for i, r in enumerate(remaining)] + [(d, -1) for d in reserved]
@@ -115,7 +115,10 @@ def plan_micro_batches(remaining: list[list[int]], budget: int, credit: list[int
         if i < 0:  # a reservation: its share stays unused in this call
             budget_left -= min(demand, share)
             continue
-        allowed, used = share + credit[i], 0
+        # Owed (its credit pays for its next datum): it runs, the call exceeding the budget by that datum if need
+        # be. Else its credit may make up a share the budget left short, never grow the call past the budget.
+        owed = remaining[i] and credit[i] >= remaining[i][0]
+        allowed, used = share + credit[i] if owed else min(share + credit[i], max(budget_left, 0)), 0
         for length in remaining[i]:
             if used + length > allowed:
                 break
