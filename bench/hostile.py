@@ -16,8 +16,9 @@ Two phases of equal length, in one run:
     jpeg_text         a 4096 x 4096 progressive JPEG whose last scan is repeated 2,000 times (~180 kB), to the
                       text model (/v1/samples): refused before decoding;
     jpeg_vision       the same to the vision model: refused from its scan count, before decoding;
-    jpeg_vision_max   the most decoding the limits allow: images of 4096 x 4096 pixels with 64 progressive scans
-                      (the most taken), several per sample request, each other bytes (no cache answers it), to
+    jpeg_vision_max   the most decoding the limits allow: square images of the most pixels max_image_pixels
+                      admits (the server's capabilities) with 64 progressive scans (the most taken), several per
+                      sample request, each other bytes (no cache answers it), to
                       the vision model: decoded before queueing, at a low CPU priority;
     expected_tokens   a 28-pixel PNG declaring expected_tokens=10^9, to the vision model: refused before any size is
                       made from it;
@@ -50,6 +51,7 @@ import base64
 import io
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import threading
@@ -276,7 +278,8 @@ def hostile_attacks(url: str, models: dict[str, str], quick: bool, tally: Tally)
     runs = {"custom_loss": new_run(), "custom_loss_paid": new_run()}
     paid_datums = candidate_datums(8 if quick else 32, 511, 10)
     many_scans = flat_progressive_jpeg(4096, 2010)
-    most_scans = flat_progressive_jpeg(4096, 64)
+    side = math.isqrt(good.get("/v1/training/capabilities").json()["limits"]["max_image_pixels"])
+    most_scans = flat_progressive_jpeg(side, 64)  # the largest square image the server admits
     marks = itertools.count()  # each image sent is other bytes: decoded anew
     png = small_png()
     word = [{"type": "encoded_text", "tokens": [1, 2]}]
@@ -321,7 +324,7 @@ def hostile_attacks(url: str, models: dict[str, str], quick: bool, tally: Tally)
     sizes = {"custom_loss": "12 one-token datums, 250 reductions", "custom_loss_paid":
              f"{len(paid_datums)} datums x 511 positions x 10 candidates, 250 reductions",
              "jpeg_text": f"{len(many_scans)} bytes, 2010 scans", "jpeg_vision": f"{len(many_scans)} bytes, 2010 scans",
-             "jpeg_vision_max": f"{2 if quick else 8} x {len(most_scans)} bytes, 64 scans, 4096 x 4096",
+             "jpeg_vision_max": f"{2 if quick else 8} x {len(most_scans)} bytes, 64 scans, {side} x {side}",
              "expected_tokens": f"{len(png)}-byte PNG, expected_tokens 10^9",
              "proto_sparse": f"{len(proto_body)} bytes", "asample_sparse": f"{len(asample_body)} bytes",
              "surrogate": f"{len(lone_surrogate)} bytes", "deep_metadata": "300 levels"}

@@ -395,7 +395,7 @@ def test_large_images_decoded_on_request_threads_leave_no_memory_behind(engine, 
     hostile benchmark's server grew by hundreds of MB). Decoding an image of RELEASE_PIXELS or more gives freed
     memory back: four threads, each decoding a different 4096 x 4096 image (48 MiB of RGB each), leave the process
     about as large as before. And they take turns: at most DECODING_PIXELS pixels (one such image) are being
-    decoded at once, so the buffers of four decodes are never resident together."""
+    decoded at once (an image over that alone), so the buffers of four decodes are never resident together."""
     from concurrent.futures import ThreadPoolExecutor
 
     from PIL import Image
@@ -416,7 +416,7 @@ def test_large_images_decoded_on_request_threads_leave_no_memory_behind(engine, 
         list(pool.map(lambda im: expand.expand(im, None, 1), images))
         grown = _rss_mib() - before
     assert grown < 100, f"{grown:.0f} MiB kept after decoding"
-    assert DECODING.most == 4096 * 4096 == DECODING_PIXELS  # one at a time
+    assert DECODING.most == 4096 * 4096 > DECODING_PIXELS  # each over the budget: one at a time, alone
 
 
 @pytest.mark.parametrize("size", [(300, 200), (64, 96), (1000, 37), (17, 23), (2048, 1536)])

@@ -45,7 +45,8 @@ from whitney.protocol.training import IMAGE_AFTER_IMAGE, ImageInput
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 CACHED_PIXEL_BYTES = 256 * 2**20  # processed images kept per base model (ProcessedImages)
-DECODING_PIXELS = 1 << 24  # pixels decoded at once in one process (PixelBudget): a 4096 x 4096 image's
+DECODING_PIXELS = 1 << 23  # pixels decoded at once in one process (PixelBudget): one image of the service's default
+# max_image_pixels (4096 x 2048)
 RELEASE_PIXELS = 1 << 20  # decoding an image this large (or larger) gives freed memory back to the system after
 FAMILIES = ("qwen3_5", "qwen3_vl", "gemma3")  # tested in tests/engine/test_vision.py; others are served as text
 FIELD = "model_input"
@@ -205,7 +206,7 @@ class ImageExpander:
         if processed is None:
             processed, pixels = self._process(image, where, index)
             self.vision.processed.put(key, processed)
-            if pixels >= RELEASE_PIXELS:  # its decoded buffers, freed, would stay in the heap (up to its trim threshold)
+            if pixels >= RELEASE_PIXELS:  # its decoded buffers, freed, would stay in the heap (to its trim threshold)
                 release_memory()
         if image.expected_tokens is not None and image.expected_tokens != processed.tokens:
             raise InvalidInput(f"{where}: expected_tokens is {image.expected_tokens}, but the model's processor "

@@ -38,7 +38,8 @@ class Limits:
                                          "micro-batches, other runs' work in between")
     # Image chunks (service/images.py): checked on the encoded bytes and the header, before any decoding.
     max_image_bytes: int = flag(10 * 2**20, "encoded bytes of one image chunk")
-    max_image_pixels: int = flag(4096 * 4096, "pixels (width x height) of one image, read from its header")
+    max_image_pixels: int = flag(1 << 23, "pixels (width x height) of one image, read from its header; decoding "
+                                 "takes up to about 10 bytes a pixel")
     max_request_images: int = flag(64, "image chunks of one request")
     max_request_image_bytes: int = flag(32 * 2**20, "encoded image bytes of one request")
     # Directories whose files image_asset_pointer chunks may name (`whitney serve --image-dir DIR`, repeatable);
