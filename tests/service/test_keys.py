@@ -490,3 +490,14 @@ def test_a_request_within_max_wait_waits_and_runs(make_server):
         start = time.monotonic()
         session(http)
         assert time.monotonic() - start >= 0.5  # it waited for the budget (about 1 s less the time the loop took)
+
+
+def test_the_quota_shows_the_refusals_spent(make_server):
+    """GET /v1/quota: usage.refusals_per_minute counts the key's refused requests against its budget."""
+    server = make_server(api_keys=[KEY], key_limits=KeyLimits(max_refusals_per_minute=50))
+    with server.http(KEY) as http:
+        assert expect(http.get("/v1/quota"), 200)["usage"]["refusals_per_minute"] == 0
+        for _ in range(3):
+            assert http.post("/v1/sessions", json={"user_metadata": 1}).status_code in (400, 422)
+        quota = expect(http.get("/v1/quota"), 200)
+        assert quota["limits"]["max_refusals_per_minute"] == 50 and quota["usage"]["refusals_per_minute"] == 3

@@ -54,7 +54,7 @@ class Quotas:
         self._tokens: dict[str, deque[tuple[float, int]]] = {}  # owner -> (time, tokens) of the last minute
         self._lock = threading.RLock()  # _spend reads the window while holding it
         self._validating: dict[str, int] = {}  # owner -> its requests being validated now
-        # Refused requests, spent and waited on by http/refusals.py's middleware (on the event loop only).
+        # Refused requests, spent and waited on by http/refusals.py's middleware (on the event loop), read by usage().
         self.refusals = RefusalBudget(lambda owner: self.limits(owner).max_refusals_per_minute)
 
     def limits(self, owner: str) -> KeyLimits:

@@ -44,6 +44,9 @@ class RefusalBudget:
         return bucket.refill(limit, now)
 
     def spent(self, owner: str, now: float) -> int:
-        """The owner's refusals counted against its limit now (what the bucket lacks to be full; GET /v1/quota)."""
-        limit = self.limit_of(owner)
-        return math.ceil(limit - self.bucket(owner, limit, now).tokens) if limit and owner in self._buckets else 0
+        """The owner's refusals counted against its limit now (what the bucket lacks to be full; GET /v1/quota).
+        Reads the bucket without changing it: the route runs on a worker thread, the middleware on the loop."""
+        limit, bucket = self.limit_of(owner), self._buckets.get(owner)
+        if not limit or bucket is None:
+            return 0
+        return max(0, math.ceil(limit - min(float(limit), bucket.tokens + (now - bucket.at) * limit / 60.0)))
