@@ -230,7 +230,8 @@ def _threads(actor) -> int:
 
 def test_every_worker_process_takes_the_thread_setting(ray_cluster, tiny_llama):
     """--threads reaches every rank of a sharded trainer and every sampler replica; "auto" follows the load
-    with the worker's Ray CPUs as its ceiling; without a setting a worker uses as many threads as its CPUs."""
+    with the worker's Ray CPUs as its ceiling; without a setting a worker uses as many threads as its CPUs. Every
+    worker process shares two malloc arenas."""
     from dataclasses import replace
 
     backend = RayBackend(replace(CONFIG, threads=1), [Placement(tiny_llama, "tiny", num_cpus=2, shards=2,
@@ -240,6 +241,10 @@ def test_every_worker_process_takes_the_thread_setting(ray_cluster, tiny_llama):
         assert len(actors) == 3  # two ranks, one sampler replica
         assert [_threads(a) for a in actors] == [1] * 3
         assert backend.models["tiny"].compute_threads == 1
+        # glibc's arenas capped from each process's start, before Ray's own threads make theirs (whitney/heap.py)
+        environ = [a.__ray_call__.remote(lambda w: __import__("os").environ.get("MALLOC_ARENA_MAX")) for a in actors]
+        arenas = set(__import__("ray").get(environ))
+        assert arenas == {"2"}, arenas
     finally:
         backend.close()
     for setting in (None, "auto"):

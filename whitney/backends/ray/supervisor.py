@@ -21,6 +21,7 @@ from whitney.backends.ray.calls import CHECK_THREADS, CHECKS, Call, Raised
 from whitney.backends.ray.placement import Placement
 from whitney.backends.ray.workers import Role, Worker
 from whitney.errors import InvalidInput, NotFound, Unavailable
+from whitney.heap import ARENAS
 from whitney.protocol.backend import ModelInfo, WorkerLost, raise_failure
 from whitney.protocol.config import EngineConfig
 
@@ -51,7 +52,9 @@ class Supervisor:
         self._run_model: dict[str, str] = {}
         self._lost: list[str] = []
         actor = ray.remote(concurrency_groups={CHECKS: CHECK_THREADS})(ModelWorker)  # heavy calls beside the rest
-        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # every worker's, whoever started Ray
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),  # every worker's, whoever started Ray
+               # glibc reads it as the process starts, before Ray's threads make arenas of their own (heap.py)
+               "MALLOC_ARENA_MAX": str(ARENAS)}
         try:
             for p in placements:
                 options = p.actor_options(env)
