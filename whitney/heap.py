@@ -45,12 +45,11 @@ def share_arenas(arenas: int = ARENAS) -> bool:
 def keep_freed_memory(kept_bytes: int = KEPT_BYTES) -> bool:
     """Let the heap keep up to `kept_bytes` of freed memory for reuse, in arenas the threads share
     (`share_arenas`); True if glibc took every setting."""
-    return _mallopt((_M_MMAP_THRESHOLD, kept_bytes), (_M_TRIM_THRESHOLD, kept_bytes), (_M_ARENA_MAX, ARENAS))
+    return _mallopt((_M_MMAP_THRESHOLD, kept_bytes), (_M_TRIM_THRESHOLD, kept_bytes)) and share_arenas()
 
 
 def release_memory() -> None:
-    """Give freed memory back to the system, every thread's arena's (glibc on Linux; elsewhere a no-op): after a
-    run's state is dropped, and after a request thread decoded a large image (each thread's arena would otherwise
-    keep its buffers)."""
+    """Give freed memory back to the system, every arena's (glibc on Linux; elsewhere a no-op): after a run's state
+    is dropped, and after a large image was decoded (the heap would otherwise keep its buffers, up to KEPT_BYTES)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)

@@ -501,3 +501,16 @@ def test_the_quota_shows_the_refusals_spent(make_server):
             assert http.post("/v1/sessions", json={"user_metadata": 1}).status_code in (400, 422)
         quota = expect(http.get("/v1/quota"), 200)
         assert quota["limits"]["max_refusals_per_minute"] == 50 and quota["usage"]["refusals_per_minute"] == 3
+
+
+def test_the_refusal_buckets_stay_bounded():
+    """At most max_keys buckets in memory: when full, a new key's bucket replaces those that owe nothing (a full
+    bucket is what a key starts with anyway); one that owes is kept."""
+    from whitney.service.store.refusals import RefusalBudget
+
+    budget = RefusalBudget(lambda owner: 10, max_keys=2)
+    budget.bucket("full", 10, 0.0)
+    budget.bucket("owing", 10, 0.0).tokens -= 5
+    budget.bucket("new", 10, 1.0)
+    assert set(budget._buckets) == {"owing", "new"}
+    assert budget.spent("owing", 1.0) == 5 and budget.spent("full", 1.0) == 0

@@ -38,10 +38,13 @@ class RefusalBudget:
         bucket = self._buckets.get(owner)
         if bucket is None:
             if len(self._buckets) >= self.max_keys:
-                self._buckets = {k: b for k, b in self._buckets.items()
-                                 if b.waiting or b.refill(self.limit_of(k), now).tokens < self.limit_of(k)}
+                self._buckets = {k: b for k, b in self._buckets.items() if b.waiting or self._owes(k, b, now)}
             bucket = self._buckets[owner] = Bucket(float(limit), now)
         return bucket.refill(limit, now)
+
+    def _owes(self, owner: str, bucket: Bucket, now: float) -> bool:
+        limit = self.limit_of(owner)
+        return bucket.refill(limit, now).tokens < limit
 
     def spent(self, owner: str, now: float) -> int:
         """The owner's refusals counted against its limit now (what the bucket lacks to be full; GET /v1/quota).
