@@ -38,6 +38,7 @@ torch.set_num_threads(1)
 HEAVY = {
     "cluster": "a local two-node Ray cluster",
     "console": "the web console in Chromium, driven by Playwright while a run trains",
+    "vllm": "vLLM servers (the CPU build, .venv-vllm) as sampler replicas",
     "engine/test_sharded.py": "two gloo ranks in processes of their own",
     "engine/test_vision_ray.py": "a local Ray cluster",
     "service/test_fuzz.py": "schemathesis over every route",

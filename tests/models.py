@@ -34,12 +34,17 @@ def _scale_and_save(model, out: Path) -> Path:
     return out
 
 
-def make_tiny_model(out: Path, kind: str, seed: int = 0) -> Path:
-    """Write a 2-layer random model of `kind` ('llama' or 'qwen3') to out; return out."""
+# vLLM's CPU attention takes head sizes 32, 64, 80 and up: the tiny geometry with two heads of 32.
+VLLM_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
+
+
+def make_tiny_model(out: Path, kind: str, seed: int = 0, **geometry) -> Path:
+    """Write a 2-layer random model of `kind` ('llama' or 'qwen3') to out, TINY's geometry with `geometry`'s
+    changes (e.g. VLLM_HEADS); return out."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    common = TINY
+    common = {**TINY, **geometry}
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True,
                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))

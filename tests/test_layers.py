@@ -161,10 +161,10 @@ def test_the_in_process_backend_refuses_the_ray_settings_rather_than_ignore_them
 
     from whitney import backends
     from whitney.errors import InvalidInput
-    from whitney.protocol.backend import BackendSpec
+    from whitney.protocol.backend import BackendSpec, SamplerReplicas
     from whitney.protocol.config import EngineConfig
 
-    for settings in ({"samplers": 1}, {"ray_address": "auto"}, {"worker_resources": {"m": {"cpus": 2.0}}}):
+    for settings in ({"samplers": SamplerReplicas(1, 1)}, {"ray_address": "auto"}, {"worker_resources": {"m": {"cpus": 2.0}}}):
         with pytest.raises(InvalidInput) as e:
             backends.start("inprocess", BackendSpec(EngineConfig(), (), **settings))
         assert e.value.field == "backend" and "need the ray backend" in e.value.message

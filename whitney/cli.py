@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from whitney import serving
+from whitney.protocol.backend import SamplerEngine, SamplerReplicas
 from whitney.protocol.config import DEFAULT_MODEL
 
 
@@ -237,9 +238,21 @@ def add_backend_flags(serve: argparse.ArgumentParser) -> None:
                             "--samplers replicas, as Ray actors on a cluster")
     group.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="a running Ray cluster (e.g. 10.0.0.1:6379 or auto); default: start a local one")
-    group.add_argument("--samplers", type=int, default=0, metavar="K",
-                       help="ray: sampler replicas per base model serving sample and compute_logprobs "
-                            "(default 0: the training worker samples too)")
+    group.add_argument("--samplers", default="0", metavar="K|auto|MIN..MAX",
+                       help="sampler replicas per base model serving sample (default 0: the trainer samples); "
+                            "auto (0..1) or MIN..MAX: elastic, a replica starts when sampling is asked for and stops "
+                            "after --sampler-idle-seconds idle (vLLM replicas)")
+    group.add_argument("--sampler-engine", choices=[e.value for e in SamplerEngine], default="whitney",
+                       help="what the replicas run: whitney (exact: sampled log-probs equal compute_logprobs; "
+                            "--backend ray) or vllm (vLLM servers with each run's versions as LoRA adapters, beside "
+                            "either backend; close log-probs, faster on GPUs)")
+    group.add_argument("--vllm-python", default=None, metavar="PATH",
+                       help="the Python of vLLM's environment (default: .venv-vllm, made by `make vllm-env`)")
+    group.add_argument("--vllm-max-loras", type=int, default=SamplerReplicas.max_loras, metavar="N",
+                       help="adapters a vLLM replica holds on its device at once; more are reloaded from their "
+                            f"files on demand (default {SamplerReplicas.max_loras})")
+    group.add_argument("--sampler-idle-seconds", type=float, default=SamplerReplicas.idle_seconds, metavar="S",
+                       help="an elastic replica idle this long stops (default %(default)s)")
     group.add_argument("--worker-resources", action="append", default=[], metavar="MODEL=cpus:N,gpus:N,RES:N",
                        help="ray: resources of each worker of MODEL (as given to --model or its served name); "
                             "gpus:N with N > 1 or shards:N: the trainer shards the base over N ranks (FSDP2), one "
@@ -251,10 +264,15 @@ def backend_config(args) -> dict:
     """ServiceConfig's backend fields from the flags (InvalidInput naming the flag's rule)."""
     from whitney.errors import InvalidInput
 
-    if args.backend != "ray" and (args.ray_address or args.samplers or args.worker_resources):
-        raise InvalidInput("--ray-address, --samplers and --worker-resources need --backend ray")
-    if args.samplers < 0:
-        raise InvalidInput(f"--samplers must be >= 0, got {args.samplers}")
+    samplers = SamplerReplicas.parse(args.samplers, engine=SamplerEngine(args.sampler_engine),
+                                     vllm_python=args.vllm_python, idle_seconds=args.sampler_idle_seconds,
+                                     max_loras=args.vllm_max_loras)
+    whitney_replicas = samplers.maximum > 0 and samplers.engine == SamplerEngine.WHITNEY
+    if args.backend != "ray" and (args.ray_address or whitney_replicas or args.worker_resources):
+        raise InvalidInput("--ray-address, --worker-resources and --samplers of Whitney's own sampler need "
+                           "--backend ray (vLLM replicas, --sampler-engine vllm, run beside either backend)")
+    if args.vllm_max_loras < 1 or args.sampler_idle_seconds <= 0:
+        raise InvalidInput("--vllm-max-loras must be >= 1 and --sampler-idle-seconds > 0")
     resources = {}
     for spec in args.worker_resources:
         model, sep, items = spec.partition("=")
@@ -263,7 +281,7 @@ def backend_config(args) -> dict:
         from whitney.backends.ray.placement import Placement  # torch-free
 
         resources[model] = Placement.parse_resources(items)
-    return dict(backend=args.backend, ray_address=args.ray_address, samplers=args.samplers,
+    return dict(backend=args.backend, ray_address=args.ray_address, samplers=samplers,
                 worker_resources=resources)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from tests.service.conftest import start_server
 from tests.tinker.conftest import service_client, tinker_env  # noqa: F401 (the Tinker SDK fixtures, reused)
+from whitney.protocol.backend import SamplerReplicas
 from whitney.service.app import ServiceConfig
 
 ray = pytest.importorskip("ray")
@@ -32,7 +33,7 @@ def ray_config(ray_cluster, models: list[str], data_dir, **overrides) -> Service
     """A server config on the cluster: each model's workers on the node named by `nodes` (default node_a)."""
     nodes = overrides.pop("nodes", {})
     config = ServiceConfig(models=models, data_dir=data_dir, backend="ray", ray_address=ray_cluster.address,
-                           samplers=overrides.pop("samplers", 1),
+                           samplers=SamplerReplicas(*[overrides.pop("samplers", 1)] * 2),
                            worker_resources={m: {"cpus": 1, nodes.get(m, "node_a"): 1} for m in models})
     for key, value in overrides.items():
         setattr(config, key, value)

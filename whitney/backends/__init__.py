@@ -1,6 +1,7 @@
 """The backends `whitney serve --backend NAME` picks from, by name. Each is a module of this package with a
 `start_backend(spec: BackendSpec) -> ServedBackend`, imported only when chosen: the control plane imports this
-registry without loading torch, the engine or Ray. A new backend is one module and one line here.
+registry without loading torch, the engine or Ray. A new backend is one module and one line here. vLLM sampler
+replicas (whitney/backends/vllm) go beside whichever backend is chosen.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from whitney.errors import InvalidInput
-from whitney.protocol.backend import BackendSpec, ServedBackend
+from whitney.protocol.backend import BackendSpec, SamplerEngine, ServedBackend
 
 BACKENDS = {
     "inprocess": "whitney.backends.in_process",  # the engine in this process
@@ -21,4 +22,13 @@ def start(name: str, spec: BackendSpec) -> ServedBackend:
     unknown name or a backend whose package is not installed."""
     if name not in BACKENDS:
         raise InvalidInput(f"backend must be one of {sorted(BACKENDS)}, got {name!r}", field="backend")
-    return importlib.import_module(BACKENDS[name]).start_backend(spec)
+    if spec.samplers.engine != SamplerEngine.VLLM or spec.samplers.maximum == 0:
+        return importlib.import_module(BACKENDS[name]).start_backend(spec)
+    from whitney.backends import vllm  # replicas of vLLM beside the backend, for either backend
+
+    inner = importlib.import_module(BACKENDS[name]).start_backend(vllm.without_replicas(spec))
+    try:
+        return vllm.with_replicas(inner, spec)
+    except BaseException:
+        inner.close()
+        raise

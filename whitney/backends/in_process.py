@@ -34,7 +34,8 @@ def model_info(base: BaseModel, name: str) -> ModelInfo:
                      compute_dtype=next(k for k, v in COMPUTE_DTYPES.items() if v == base.compute_dtype),
                      device=str(base.device), eos_token_ids=tuple(base.eos_token_ids),
                      linear_shapes=dict(base.linear_shapes), weight_bytes=tensor_bytes(vars(base)),
-                     vision=base.vision is not None, compute_threads=torch.get_num_threads())
+                     vision=base.vision is not None, compute_threads=torch.get_num_threads(),
+                     files=str(base.path))
 
 
 def tensor_bytes(obj, seen: set[int] | None = None) -> int:
@@ -269,8 +270,9 @@ class InProcessBackend(chat.TextMethods, LossMethods):
 def start_backend(spec: BackendSpec) -> InProcessBackend:
     """The in-process backend (whitney/backends: "inprocess") with the spec's models loaded, each also under the
     name it is served by. The Ray settings are refused here, never ignored."""
-    if spec.ray_address or spec.samplers or spec.worker_resources:
-        raise InvalidInput("ray_address, samplers and worker_resources need the ray backend", field="backend")
+    if spec.ray_address or spec.samplers.maximum or spec.worker_resources:
+        raise InvalidInput("ray_address, worker_resources and samplers of Whitney's own engine need the ray backend "
+                           "(--sampler-engine vllm runs replicas beside either backend)", field="backend")
     backend = InProcessBackend.start(spec.engine, [])
     for name, served in spec.models:
         backend.load_model(name, alias=served)

@@ -79,6 +79,8 @@ class ModelInfo:
     weight_bytes: int = 0  # the frozen base's tensors held by the worker (its shard, when sharded)
     vision: bool = False  # takes image chunks (a vision-language checkpoint with its processor; engine/vision.py)
     compute_threads: int = 1  # torch's threads in the process that trains it when idle (EngineConfig.threads)
+    files: str = ""  # its Hugging Face directory where the worker that loaded it runs (what a vLLM replica loads)
+    sampler_engine: str = "whitney"  # what serves its samples: SamplerEngine (vLLM replicas: vllm)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,53 @@ def raise_failure(failure: Failure) -> None:
     raise RuntimeError(f"{failure.code}: {failure.message}")
 
 
+class SamplerEngine(StrEnum):
+    """What a sampler replica runs: Whitney's own sampler (exact: its log-probs are compute_logprobs'), or a
+    vLLM server (whitney/backends/vllm: paged attention, CUDA graphs; its log-probs are close, not equal)."""
+
+    WHITNEY = "whitney"
+    VLLM = "vllm"
+
+
+class ExactOnly(StrEnum):
+    """What vLLM replicas do not serve exactly as Whitney's contract says: such a sample goes to Whitney's own
+    sampler (the capabilities list these for a model whose sampler engine is vLLM)."""
+
+    IMAGES = "prompts with image chunks"
+    TARGET_LOGPROBS = "target_prompt_logprobs"
+    STOP_SEQUENCES = "stop sequences of several token ids"
+    STATE_CHECKPOINTS = "sampling a state checkpoint (save_state); sampler versions are served, an ended run's too"
+
+
+@dataclass(frozen=True)
+class SamplerReplicas:
+    """Each base model's sampler replicas: between `minimum` and `maximum` of them (elastic when they differ: one
+    starts when a sample finds none, or all busy, and one idle for `idle_seconds` stops), run by `engine`."""
+
+    minimum: int = 0
+    maximum: int = 0
+    engine: SamplerEngine = SamplerEngine.WHITNEY
+    vllm_python: str | None = None  # the interpreter of vLLM's environment (None: `make vllm-env`'s .venv-vllm)
+    idle_seconds: float = 300.0
+    max_loras: int = 8  # vLLM: adapters held at once on its device (more are reloaded from their files on demand)
+
+    @property
+    def elastic(self) -> bool:
+        return self.minimum < self.maximum
+
+    @classmethod
+    def parse(cls, text: str, **options) -> "SamplerReplicas":
+        """`--samplers`: K (always K), "auto" (0..1: one while sampling is asked for) or "MIN..MAX"."""
+        text = text.strip()
+        low, sep, high = ("0", "..", "1") if text == "auto" else text.partition("..")
+        if not sep:
+            high = low
+        if not (low.isdigit() and high.isdigit()) or int(low) > int(high):
+            raise InvalidInput(f"samplers must be K, auto or MIN..MAX with 0 <= MIN <= MAX, got {text!r}",
+                               field="samplers")
+        return cls(int(low), int(high), **options)
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """What `whitney serve` starts a backend with (whitney/backends: the registry of backends by name)."""
@@ -151,7 +200,7 @@ class BackendSpec:
     engine: EngineConfig
     models: tuple[tuple[str, str], ...]  # (as given to --model, the name it is served under)
     ray_address: str | None = None  # ray: a running cluster; None: start a local one
-    samplers: int = 0  # ray: sampler replicas per base model
+    samplers: SamplerReplicas = SamplerReplicas()  # each base model's sampler replicas
     # ray: each model's worker resources, by the name it is given or served under ({"cpus": 2, "gpus": 1, ...})
     worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
 

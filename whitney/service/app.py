@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from whitney import backends
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable
-from whitney.protocol.backend import BackendSpec, ServedBackend
+from whitney.protocol.backend import BackendSpec, SamplerReplicas, ServedBackend
 from whitney.protocol.config import DEFAULT_MODEL, EngineConfig, shown_name
 from whitney.protocol.files import remove_leftovers
 from whitney.service.api import tinker
@@ -69,7 +69,8 @@ class ServiceConfig:
     # Where the engine runs: "inprocess" (this process) or "ray" (workers on a Ray cluster; see RayBackend).
     backend: str = "inprocess"
     ray_address: str | None = None  # None: start a local Ray instance
-    samplers: int = 0  # sampler replicas per base model (ray); 0: the trainer samples too
+    # Each base model's sampler replicas (Whitney's on Ray, or vLLM's beside either backend); none: the trainer samples.
+    samplers: SamplerReplicas = field(default_factory=SamplerReplicas)
     # Ray resources of each model's workers, by the name it is given or served under, e.g.
     # {"tiny": {"cpus": 2, "gpus": 1, "node_a": 1}}; default one CPU each.
     worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)

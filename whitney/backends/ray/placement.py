@@ -50,6 +50,9 @@ def placements(spec: BackendSpec) -> list[Placement]:
     unknown = set(spec.worker_resources) - served
     if unknown:
         raise InvalidInput(f"worker resources name models not served: {sorted(unknown)}", field="worker_resources")
+    if spec.samplers.elastic:
+        raise InvalidInput("elastic replicas (--samplers auto or MIN..MAX) are vLLM's (--sampler-engine vllm); "
+                           "Whitney's own replicas on Ray are a fixed number: --samplers K", field="samplers")
     out = []
     for name, public in spec.models:
         given = dict(spec.worker_resources.get(name) or spec.worker_resources.get(public) or {})
@@ -59,5 +62,5 @@ def placements(spec: BackendSpec) -> list[Placement]:
             raise InvalidInput(f"worker resources of {public}: shards must be a whole number >= 1 (and equal gpus "
                                f"when gpus > 1), got shards {shards} with gpus {gpus}", field="worker_resources")
         out.append(Placement(name, public, num_cpus=cpus, num_gpus=gpus / shards if gpus > 1 else gpus,
-                             resources=given, samplers=spec.samplers, shards=int(shards)))
+                             resources=given, samplers=spec.samplers.maximum, shards=int(shards)))
     return out

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Header, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from whitney.protocol.backend import ExactOnly
 from whitney.service.http.deps import Owner, State, new_router, presented_key
 from whitney.service.store.lifecycle import SAMPLING_KINDS, TRAINING_KINDS
 
@@ -32,6 +33,10 @@ def capabilities(st: State) -> dict:
             "compute_threads": info.compute_threads,  # of the process that trains it (whitney serve --threads)
             "adaptable_modules": list(info.adaptable_modules),
             "vision": getattr(info, "vision", False),  # takes image chunks (limits: max_image_* below)
+            # What serves its samples: "whitney" (exact: sampled log-probs equal compute_logprobs), or "vllm"
+            # (replicas; what vLLM cannot do exactly goes to Whitney's sampler, listed in exact_sampler_for).
+            "sampler_engine": info.sampler_engine,
+            "exact_sampler_for": [e.value for e in ExactOnly] if info.sampler_engine == "vllm" else [],
         } for name, info in ((name, st.model_info(name)) for name in st.models)],
         "operations": [*TRAINING_KINDS, *SAMPLING_KINDS],
         "loss_functions": {name: list(loss["config"]) for name, loss in losses.items()},

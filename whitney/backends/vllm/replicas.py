@@ -1,0 +1,409 @@
+"""Each base model's vLLM replicas: started, watched, scaled and stopped; the run versions they serve as LoRA
+adapters; the samples in flight on them. Torch-free: it speaks HTTP to vLLM servers (server.py).
+
+    ReplicaPool.submit -> a ready replica (least busy), or the model's queue while one starts
+                  step -> each sample's progress and end, from the streams the pool's event loop reads
+                publish -> a run's new version loaded by every ready replica before it returns
+
+- A run's version is a PEFT adapter directory (its name `run.vN`). vLLM keeps `max_loras` adapters on its device
+  and as many more in host memory, least recently used first out, and reloads one from its directory when a
+  sample names it again: a sample never sees which.
+- Elastic (`SamplerReplicas.elastic`): a sample that finds no replica starts one (samples wait in the model's
+  queue meanwhile); one more starts while every replica has `BUSY` samples in flight, up to `maximum`; a replica
+  idle for `idle_seconds` stops, down to `minimum`. A training-only server never starts one.
+- Faults: a replica whose process exits fails its samples with `worker_lost`, except a sample with a seed, which
+  is idempotent and runs again on another replica (or the replacement, which starts at once), at most RETRIES times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import queue
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from whitney.backends.vllm.requests import Answer, completion_body, flat
+from whitney.backends.vllm.server import ServerSpec, VllmServer
+from whitney.errors import InvalidInput, Unavailable
+from whitney.protocol.backend import Failure, SamplerReplicas, WorkerLost
+from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
+
+STEP_WAIT = 0.05  # step() waits at most this long for an answer when none is there
+BUSY = 32  # samples in flight on every replica before an elastic model starts one more
+RETRIES = 2  # times a seeded sample runs again after its replica died
+START_TIMEOUT = 900.0  # seconds a replica may take to serve (vLLM's first start compiles its kernels)
+READY_POLL = 1.0  # seconds between readiness checks of a starting replica
+
+
+@dataclass(eq=False)
+class Replica:
+    server: VllmServer
+    adapters: set[str] = field(default_factory=set)  # adapter names loaded on it
+    flights: set[str] = field(default_factory=set)  # request ids in flight on it
+    ready: bool = False
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Flight:
+    """A sample in flight (or queued for a replica). `attempt` tells a retried sample's stale events apart."""
+
+    request_id: str
+    model: str
+    prompt: list[int]
+    params: SamplingParams
+    adapter: str | None
+    stream: bool
+    replica: Replica | None = None
+    task: object | None = None  # concurrent.futures.Future of its stream's coroutine
+    attempt: int = 0
+
+
+@dataclass(eq=False)
+class Model:
+    spec: ServerSpec
+    eos_token_ids: tuple[int, ...]
+    replicas: list[Replica] = field(default_factory=list)
+    waiting: deque[Flight] = field(default_factory=deque)
+    started: int = 0  # replicas started so far (names their logs)
+
+
+class ReplicaPool:
+    """The vLLM replicas of every served model (thread-safe: the sampling lane steps, the training lane
+    publishes)."""
+
+    def __init__(self, models: dict[str, tuple[ServerSpec, tuple[int, ...]]], settings: SamplerReplicas,
+                 log_dir: Path | None = None):
+        self.settings = settings
+        self.models = {name: Model(spec, eos) for name, (spec, eos) in models.items()}
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="whitney-vllm-"))
+        self._lock = threading.RLock()
+        self._flights: dict[str, Flight] = {}
+        self._adapters: dict[str, str] = {}  # adapter name -> its PEFT directory
+        self._out: queue.SimpleQueue = queue.SimpleQueue()  # (request_id, attempt, outcome) from the loop
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="whitney-vllm", daemon=True)
+        self._thread.start()
+        self._client: httpx.AsyncClient = self._on_loop(self._make_client())
+        self.completed = 0  # samples vLLM answered in full
+        self._closed = threading.Event()
+        try:
+            for name, model in self.models.items():
+                for _ in range(settings.minimum):
+                    self._start(name, model)
+            for model in self.models.values():
+                for replica in model.replicas:
+                    replica.server.wait_ready(START_TIMEOUT)
+                    replica.ready = True
+        except BaseException:
+            self.close()
+            raise
+        self._watchdog = threading.Thread(target=self._watch, name="whitney-vllm-watch", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Every READY_POLL seconds, whether or not samples are in flight: starting replicas asked whether they
+        serve (outside the lock), dead ones replaced, idle ones stopped."""
+        while not self._closed.wait(READY_POLL):
+            with self._lock:
+                starting = [r for m in self.models.values() for r in m.replicas if not r.ready]
+            serving = [r for r in starting if r.server.ready()]
+            with self._lock:
+                for replica in serving:
+                    replica.ready = True
+                self._maintain()
+
+    # ---- the event loop's side ---------------------------------------------------------------
+
+    @staticmethod
+    async def _make_client() -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    def _on_loop(self, coroutine, timeout: float | None = 120.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    async def _load(self, replica: Replica, name: str) -> None:
+        """The adapter registered on the replica (once; vLLM reloads it from its directory after an eviction)."""
+        if name in replica.adapters:
+            return
+        response = await self._client.post(f"{replica.server.url}/v1/load_lora_adapter",
+                                           json={"lora_name": name, "lora_path": self._adapters[name]})
+        if response.status_code != 200 and "already been loaded" not in response.text:
+            raise InvalidInput(f"vLLM refused the adapter {name}: {response.text[:500]}", field="version")
+        replica.adapters.add(name)
+
+    async def _unload(self, replica: Replica, name: str) -> None:
+        replica.adapters.discard(name)
+        await self._client.post(f"{replica.server.url}/v1/unload_lora_adapter", json={"lora_name": name})
+
+    async def _sample(self, flight: Flight, replica: Replica, attempt: int) -> None:
+        """Stream the sample from the replica; its progress (streaming samples) and its end go to the queue.
+        Cancelling the task closes the connection, which aborts the request in vLLM."""
+        answer = Answer.of(flight.params)
+        answer.prompt_tokens = flight.prompt
+        try:
+            if flight.adapter is not None:
+                await self._load(replica, flight.adapter)
+            model = self.models[flight.model]
+            body = completion_body(flight.prompt, flight.params, flight.adapter or model.spec.served_name,
+                                   model.eos_token_ids)
+            async with self._client.stream("POST", f"{replica.server.url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    raise _refusal(response.status_code, text)
+                async for chunk in _chunks(response, body["stream"]):
+                    answer.add(chunk)
+                    if flight.stream:
+                        progress = answer.progress()
+                        if progress is not None:
+                            self._out.put((flight.request_id, attempt, progress))
+            self._out.put((flight.request_id, attempt, answer.result(len(flight.prompt))))
+        except asyncio.CancelledError:
+            raise
+        except httpx.TransportError as e:
+            self._out.put((flight.request_id, attempt, _Lost(f"{type(e).__name__}: {e}")))
+        except Exception as e:  # noqa: BLE001 - the sample's own failure, as data
+            self._out.put((flight.request_id, attempt, Failure.of(e)))
+
+    # ---- the calling threads' side -----------------------------------------------------------
+
+    def publish(self, model: str, run_id: str, version: int, path: str) -> None:
+        """Version `version` of the run, written as a PEFT adapter at `path`: loaded by every ready replica of
+        the model before this returns (a replica that starts later loads it on first use)."""
+        name = adapter_name(run_id, version)
+        with self._lock:
+            self._adapters[name] = path
+            ready = [r for r in self.models[model].replicas if r.ready]
+        for replica in ready:
+            try:
+                self._on_loop(self._load(replica, name))
+            except (httpx.TransportError, TimeoutError):
+                pass  # a replica that died is replaced, and its replacement loads it on first use
+
+    def register(self, path: str) -> str:
+        """A saved version's adapter directory (an ended run's): its adapter name, loaded on first use."""
+        name = "package-" + hashlib.sha256(path.encode()).hexdigest()[:16]
+        with self._lock:
+            self._adapters.setdefault(name, path)
+        return name
+
+    def has(self, run_id: str, version: int | None) -> bool:
+        with self._lock:
+            return version is not None and adapter_name(run_id, version) in self._adapters
+
+    def forget(self, run_id: str) -> None:
+        """A deleted run's versions: unloaded from every replica."""
+        prefix = f"{run_id}.v"
+        with self._lock:
+            names = [n for n in self._adapters if n.startswith(prefix) and n[len(prefix):].isdigit()]
+            for name in names:
+                del self._adapters[name]
+            holding = [(r, n) for m in self.models.values() for r in m.replicas if r.ready for n in names
+                       if n in r.adapters]
+        for replica, name in holding:
+            try:
+                self._on_loop(self._unload(replica, name))
+            except (httpx.HTTPError, TimeoutError):
+                pass
+
+    def submit(self, request_id: str, model: str, prompt: list[int], params: SamplingParams,
+               adapter: str | None, stream: bool) -> None:
+        flight = Flight(request_id, model, flat(prompt), params, adapter, stream)
+        with self._lock:
+            self._flights[request_id] = flight
+            self.models[model].waiting.append(flight)
+            self._maintain()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a sample: out of its model's queue, or its stream closed (vLLM aborts it); never reported."""
+        with self._lock:
+            flight = self._flights.pop(request_id, None)
+            if flight is None:
+                return
+            model = self.models[flight.model]
+            if flight in model.waiting:
+                model.waiting.remove(flight)
+            self._leave(flight)
+        if flight.task is not None:
+            flight.task.cancel()
+
+    def step(self, wait: float = STEP_WAIT) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
+        """The samples' progress and ends since the last step (waiting up to `wait` seconds for one when there
+        is none); replicas started, replaced and stopped as needed."""
+        with self._lock:
+            if not self._flights:
+                return []
+        events = []
+        try:
+            events.append(self._out.get(timeout=wait) if wait > 0 else self._out.get_nowait())
+            while True:
+                events.append(self._out.get_nowait())
+        except queue.Empty:
+            pass
+        ended: list[tuple[str, SampleResult | Failure | SampleProgress]] = []
+        with self._lock:
+            for request_id, attempt, outcome in events:
+                flight = self._flights.get(request_id)
+                if flight is None or flight.attempt != attempt:
+                    continue  # cancelled, or an earlier attempt of a retried sample
+                if isinstance(outcome, _Lost):
+                    outcome = self._lost(flight, outcome.reason)
+                    if outcome is None:
+                        self._maintain()  # queued again: to a replica that serves, if one does
+                        continue
+                if not isinstance(outcome, SampleProgress):
+                    del self._flights[request_id]
+                    self._leave(flight)
+                    self.completed += isinstance(outcome, SampleResult)
+                ended.append((request_id, outcome))
+        return ended
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._flights)
+
+    def live(self, model: str) -> int:
+        """The model's replicas that serve now."""
+        with self._lock:
+            return sum(r.ready for r in self.models[model].replicas)
+
+    def pids(self, model: str) -> list[int]:
+        with self._lock:
+            return [r.server.pid for r in self.models[model].replicas]
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            replicas = [r for m in self.models.values() for r in m.replicas]
+            for m in self.models.values():
+                m.replicas.clear()
+        for replica in replicas:
+            replica.server.stop()
+        if self._loop.is_running():
+            try:
+                self._on_loop(self._client.aclose(), timeout=5)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    # ---- under the lock ---------------------------------------------------------------------
+
+    def _start(self, name: str, model: Model) -> Replica:
+        model.started += 1
+        log = self.log_dir / f"{name.replace('/', '_')}-{model.started}.log"
+        replica = Replica(VllmServer(model.spec, log))
+        model.replicas.append(replica)
+        return replica
+
+    def _leave(self, flight: Flight) -> None:
+        if flight.replica is not None:
+            flight.replica.flights.discard(flight.request_id)
+            if not flight.replica.flights:
+                flight.replica.idle_since = time.monotonic()
+            flight.replica = None
+
+    def _lost(self, flight: Flight, reason: str) -> Failure | None:
+        """A sample whose replica died: queued again when its seed makes it idempotent and it has retries left,
+        else its failure."""
+        replica = flight.replica
+        self._leave(flight)
+        flight.attempt += 1
+        if flight.params.seed is not None and flight.attempt <= RETRIES:
+            self.models[flight.model].waiting.appendleft(flight)
+            return None
+        pid = replica.server.pid if replica is not None else "?"
+        return Failure.of(WorkerLost(f"the vLLM replica (pid {pid}) serving the sample died ({reason}); it restarts"))
+
+    def _fail(self, flight: Flight, failure: Failure) -> None:
+        """End a sample with `failure` at the next step (which reports and forgets it)."""
+        self._out.put((flight.request_id, flight.attempt, failure))
+
+    def _maintain(self) -> None:
+        """Replace dead replicas, start and stop replicas as the load asks, dispatch queued samples; a sample
+        that cannot run ends at the next step."""
+        now = time.monotonic()
+        for name, model in self.models.items():
+            for replica in list(model.replicas):
+                if replica.server.alive() and (replica.ready or now - replica.server.started_at < START_TIMEOUT):
+                    continue
+                model.replicas.remove(replica)  # it died, or never came up
+                replica.server.stop()
+                for request_id in list(replica.flights):
+                    flight = self._flights[request_id]
+                    failure = self._lost(flight, f"exit code {replica.server.process.returncode}")
+                    if failure is not None:
+                        self._fail(flight, failure)
+                if not replica.ready and not any(not r.ready for r in model.replicas):
+                    why = Failure.of(Unavailable(f"the vLLM replica of {name} did not start; the end of its log "
+                                                 f"({replica.server.log_path}):\n{replica.server.log_tail(8)}",
+                                                 field="base_model"))
+                    while model.waiting:
+                        self._fail(model.waiting.popleft(), why)
+            starting = any(not r.ready for r in model.replicas)
+            ready = [r for r in model.replicas if r.ready]
+            if len(model.replicas) < self.settings.maximum and not starting and (
+                    len(model.replicas) < self.settings.minimum or (model.waiting and not ready)
+                    or (ready and all(len(r.flights) >= BUSY for r in ready))):
+                self._start(name, model)
+            while model.waiting and ready:
+                flight = model.waiting.popleft()
+                replica = min(ready, key=lambda r: len(r.flights))
+                flight.replica = replica
+                replica.flights.add(flight.request_id)
+                flight.task = asyncio.run_coroutine_threadsafe(self._sample(flight, replica, flight.attempt),
+                                                               self._loop)
+            for replica in ready:
+                if (len(model.replicas) > self.settings.minimum and not replica.flights
+                        and now - replica.idle_since >= self.settings.idle_seconds):
+                    model.replicas.remove(replica)
+                    replica.server.stop()
+
+
+@dataclass(frozen=True)
+class _Lost:
+    """The loop's word that a sample's connection broke (its replica may have died)."""
+
+    reason: str
+
+
+async def _chunks(response: httpx.Response, streamed: bool):
+    """The answer's chunks: each server-sent event of a streamed one, or the whole body as one."""
+    if not streamed:
+        yield json.loads(await response.aread())
+        return
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise _refusal(400, json.dumps(chunk["error"]))
+        yield chunk
+
+
+def adapter_name(run_id: str, version: int) -> str:
+    return f"{run_id}.v{version}"
+
+
+def _refusal(status: int, text: str) -> Exception:
+    """vLLM's refusal of a request as the caller's error (a 400 naming what vLLM said), or a server error."""
+    try:
+        message = json.loads(text).get("error", {}).get("message") or json.loads(text).get("message") or text
+    except (ValueError, AttributeError):
+        message = text
+    if 400 <= status < 500:
+        return InvalidInput(f"vLLM refused the sample: {str(message)[:500]}", field="prompt")
+    return RuntimeError(f"vLLM answered {status}: {str(message)[:500]}")

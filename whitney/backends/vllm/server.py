@@ -1,0 +1,151 @@
+"""One vLLM server: a child process of this one running vLLM's OpenAI-compatible server from vLLM's own
+environment (`make vllm-env`: .venv-vllm), on a free local port, its output in a log file. Torch-free: the
+control plane starts, watches and stops it, and talks to it over HTTP only.
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME --enable-lora ...
+
+It runs in a process group of its own (vLLM starts an engine core process beside its API server), so `stop`
+ends every process of it, and a server that dies takes nothing of this process with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from whitney.errors import InvalidInput
+
+# vLLM's CPU build reserves this much for its KV cache unless told (its default is most of the machine's memory).
+CPU_KV_CACHE_GIB = 2
+MAX_LOGPROBS = 100  # protocol/sampling.py MAX_TOPK_PROMPT_LOGPROBS: the most alternatives a request asks for
+
+
+def default_python() -> str:
+    """`make vllm-env`'s interpreter: .venv-vllm beside the checkout Whitney runs from (WHITNEY_VLLM_PYTHON
+    overrides it)."""
+    given = os.environ.get("WHITNEY_VLLM_PYTHON")
+    if given:
+        return given
+    return str(Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python")
+
+
+def check_python(python: str) -> None:
+    """A usable vLLM environment, or InvalidInput naming --vllm-python and how to make one."""
+    if not Path(python).is_file():
+        raise InvalidInput(f"no vLLM environment at {python}: run `make vllm-env` (it builds .venv-vllm) or give "
+                           "--vllm-python PATH", field="vllm_python")
+    probe = subprocess.run([python, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True,
+                           text=True, timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise InvalidInput(f"{python} cannot import vLLM's server: {last}", field="vllm_python")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What one server serves and how: the base model's directory, its dtype, and the LoRA slots."""
+
+    python: str
+    model_dir: str
+    served_name: str
+    dtype: str  # "float32" or "bfloat16": the trainer's compute dtype
+    max_model_len: int
+    max_lora_rank: int
+    max_loras: int
+    device: str = "cpu"  # "cpu", or "cuda"/"cuda:N" (vLLM's CUDA build)
+
+    def command(self, port: int) -> list[str]:
+        rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self.max_lora_rank)  # vLLM's choices
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--enable-lora",
+                "--max-lora-rank", str(rank), "--max-loras", str(self.max_loras),
+                "--max-cpu-loras", str(self.max_loras), "--max-logprobs", str(MAX_LOGPROBS),
+                "--disable-uvicorn-access-log", "--disable-log-stats"]
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        for name in ("PYTHONPATH", "VIRTUAL_ENV", "MALLOC_ARENA_MAX"):  # this process's, not vLLM's
+            env.pop(name, None)
+        if self.device == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        elif ":" in self.device:
+            env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1]
+        return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """A started server: its process, address and log. `ready()` never waits; `wait_ready` does."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path):
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(spec.command(self.port), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=spec.environment(),
+                                            start_new_session=True, cwd=log_path.parent)
+        self.started_at = time.monotonic()
+        self._ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def ready(self) -> bool:
+        """Whether it answers /health (asked without waiting more than a moment)."""
+        if not self._ready and self.alive():
+            try:
+                self._ready = httpx.get(f"{self.url}/health", timeout=0.5).status_code == 200
+            except httpx.HTTPError:
+                return False
+        return self._ready and self.alive()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until it serves; RuntimeError with its log's end if it exits or takes longer than `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if not self.alive() or time.monotonic() > deadline:
+                why = "exited" if not self.alive() else f"did not answer within {timeout:.0f} s"
+                self.stop()
+                raise RuntimeError(f"the vLLM server for {self.spec.served_name} {why}; the end of its log "
+                                   f"({self.log_path}):\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """End every process of the server (its group), at once."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            print(f"vLLM server {self.process.pid} did not exit", file=sys.stderr)
