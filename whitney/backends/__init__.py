@@ -28,7 +28,7 @@ def start(name: str, spec: BackendSpec) -> ServedBackend:
 
     inner = importlib.import_module(BACKENDS[name]).start_backend(vllm.without_replicas(spec))
     try:
-        return vllm.with_replicas(inner, spec)
+        return vllm.with_replicas(inner, spec, on_ray=name == "ray")
     except BaseException:
         inner.close()
         raise

@@ -159,6 +159,9 @@ class ExactOnly(StrEnum):
     sampler (the capabilities list these for a model whose sampler engine is vLLM)."""
 
     IMAGES = "prompts with image chunks"
+    # Whitney's are exact; and vLLM 0.32's CPU build with LoRA enabled fails its whole batch on them when they
+    # share a batch or ask for several samples (docs/DEPLOY.md).
+    PROMPT_LOGPROBS = "prompt log-probs (prompt_logprobs, topk_prompt_logprobs)"
     TARGET_LOGPROBS = "target_prompt_logprobs"
     STOP_SEQUENCES = "stop sequences of several token ids"
     STATE_CHECKPOINTS = "sampling a state checkpoint (save_state); sampler versions are served, an ended run's too"

@@ -3,6 +3,7 @@ trains, scores and saves as always; each base model's samples go to vLLM servers
 versions as LoRA adapters. docs/DEPLOY.md says when to choose them.
 
 - server.py: one vLLM server, a child process running vLLM's environment (`--vllm-python`, .venv-vllm);
+- ray_host.py: the same server on a Ray node, in an actor that lives as long as it does;
 - requests.py: a sampling request as vLLM's completions request, its answer back; what vLLM does not serve;
 - replicas.py: each model's replicas (elastic, restarted), the adapters they load, the samples in flight;
 - backend.py: VllmSampling, the ServedBackend that routes samples to them.
@@ -10,31 +11,61 @@ versions as LoRA adapters. docs/DEPLOY.md says when to choose them.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 from whitney.backends.vllm.backend import VllmSampling
-from whitney.backends.vllm.replicas import ReplicaPool
+from whitney.backends.vllm.replicas import Launch, ReplicaPool
 from whitney.backends.vllm.server import ServerSpec, check_python, default_python
-from whitney.protocol.backend import BackendSpec, SamplerReplicas, ServedBackend
+from whitney.protocol.backend import BackendSpec, PackageKind, SamplerReplicas, ServedBackend
+from whitney.protocol.training import LoraConfig
 
-__all__ = ["VllmSampling", "with_replicas"]
+__all__ = ["VllmSampling", "with_replicas", "without_replicas"]
 
 
-def with_replicas(inner: ServedBackend, spec: BackendSpec) -> VllmSampling:
-    """`inner` (started with `spec`'s models) with vLLM replicas per model as `spec.samplers` says; the
-    replicas the minimum asks for serve before this returns."""
+def with_replicas(inner: ServedBackend, spec: BackendSpec, on_ray: bool = False) -> VllmSampling:
+    """`inner` (started with `spec`'s models) with vLLM replicas per model as `spec.samplers` says: child
+    processes of this one, or on Ray (`on_ray`) actors placed with each model's worker resources. The replicas
+    the minimum asks for serve before this returns."""
     settings = spec.samplers
     python = settings.vllm_python or default_python()
     check_python(python)
     settings = replace(settings, vllm_python=python)
     names = {**{given: served for given, served in spec.models}, **{served: served for _, served in spec.models}}
-    models = {}
+    work = Path(tempfile.mkdtemp(prefix="whitney-vllm-"))
+    models, bases = {}, {}
     for served in dict.fromkeys(names.values()):
         info = inner.models[served]
         models[served] = (ServerSpec(python, info.files, served, info.compute_dtype, info.max_context,
                                      spec.engine.max_lora_rank, settings.max_loras,
                                      "cpu" if info.device == "cpu" else info.device), info.eos_token_ids)
-    return VllmSampling(inner, ReplicaPool(models, settings), names)
+        bases[served] = base_adapter(inner, served, work / f"base-{len(bases)}")
+    pool = ReplicaPool(models, settings, _ray_launch(spec) if on_ray else None, log_dir=work)
+    return VllmSampling(inner, pool, names, {m: pool.register(path) for m, path in bases.items()})
+
+
+def base_adapter(inner: ServedBackend, model: str, path: Path) -> str:
+    """A zero adapter of the model's unembedding, written at `path`: the base model's samples name it. vLLM 0.32's
+    CPU build gives a request without an adapter the unembedding delta of whichever adapter holds its last slot;
+    a zero delta is the base model exactly (B = 0 at a run's creation: lora.init_adapter)."""
+    run_id = f"vllm-base-{path.name}"
+    inner.create_run(run_id, model, LoraConfig(rank=1, alpha=1.0, train_attn=False, train_mlp=False,
+                                               train_unembed=True))
+    try:
+        inner.save(run_id, PackageKind.LORA, str(path))
+    finally:
+        inner.delete_run(run_id)
+    return str(path)
+
+
+def _ray_launch(spec: BackendSpec) -> Launch:
+    from whitney.backends.ray.placement import placements
+    from whitney.backends.vllm.ray_host import ray_launch
+
+    # Never restarted by Ray: the pool replaces a replica that died (and fails or retries its samples).
+    return ray_launch({p.name: {**p.actor_options({"HF_HUB_OFFLINE": "1"}), "max_restarts": 0}
+                       for p in placements(without_replicas(spec))})
 
 
 def without_replicas(spec: BackendSpec) -> BackendSpec:

@@ -37,10 +37,11 @@ class VllmSampling:
 
     separate_sampling = True
 
-    def __init__(self, inner: ServedBackend, pool: ReplicaPool, names: dict[str, str]):
+    def __init__(self, inner: ServedBackend, pool: ReplicaPool, names: dict[str, str], bases: dict[str, str]):
         self.inner = inner
         self.pool = pool
         self._names = names  # every name a model goes by -> the name it is served under
+        self._bases = bases  # served model -> the zero adapter its base samples name (vllm/__init__.base_adapter)
         self._lock = nullcontext() if inner.separate_sampling else threading.RLock()
         self._runs: dict[str, str] = {}  # run -> its served model
         self._on_pool: set[str] = set()  # request ids the replicas serve (the rest: inner's sampler)
@@ -56,8 +57,8 @@ class VllmSampling:
 
     # ---- what vLLM serves -------------------------------------------------------------------
 
-    def _adapter(self, weights: Weights) -> tuple[str, str | None] | None:
-        """(served model, adapter name or None for the base) when the replicas can serve these weights."""
+    def _adapter(self, weights: Weights) -> tuple[str, str] | None:
+        """(served model, adapter name) when the replicas can serve these weights."""
         if weights.checkpoint_path is not None:  # a sampler version's package (an ended run's version)
             adapter = Path(weights.checkpoint_path) / ADAPTER_DIR
             if not adapter.is_dir():
@@ -70,7 +71,7 @@ class VllmSampling:
                 return None  # the wrapped backend names the error (unknown run or version)
             return model, adapter_name(weights.run_id, weights.version)
         model = self._names.get(weights.base_model or next(iter(self.inner.models)))
-        return (model, None) if model in self.pool.models else None
+        return (model, self._bases[model]) if model in self.pool.models else None
 
     def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> None:

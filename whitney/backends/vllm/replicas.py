@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Protocol
 
 import httpx
 
@@ -43,9 +44,34 @@ START_TIMEOUT = 900.0  # seconds a replica may take to serve (vLLM's first start
 READY_POLL = 1.0  # seconds between readiness checks of a starting replica
 
 
+class Server(Protocol):
+    """A vLLM server as the pool holds it: a child process (server.py) or one on a Ray node (ray_host.py)."""
+
+    url: str
+    headers: dict[str, str]
+    pid: int
+    started_at: float
+    log_path: Path
+    returncode: int | None
+
+    def alive(self) -> bool: ...
+    def ready(self) -> bool: ...
+    def wait_ready(self, timeout: float) -> None: ...
+    def log_tail(self, lines: int = 20) -> str: ...
+    def stop(self) -> None: ...
+
+
+Launch = Callable[[str, ServerSpec, Path], Server]  # (served model, its spec, its log) -> a started server
+
+
+def local(model: str, spec: ServerSpec, log_path: Path) -> Server:
+    """A replica as a child process of this one."""
+    return VllmServer(spec, log_path)
+
+
 @dataclass(eq=False)
 class Replica:
-    server: VllmServer
+    server: Server
     adapters: set[str] = field(default_factory=set)  # adapter names loaded on it
     flights: set[str] = field(default_factory=set)  # request ids in flight on it
     ready: bool = False
@@ -81,8 +107,9 @@ class ReplicaPool:
     publishes)."""
 
     def __init__(self, models: dict[str, tuple[ServerSpec, tuple[int, ...]]], settings: SamplerReplicas,
-                 log_dir: Path | None = None):
+                 launch: Launch | None = None, log_dir: Path | None = None):
         self.settings = settings
+        self.launch = launch or local
         self.models = {name: Model(spec, eos) for name, (spec, eos) in models.items()}
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="whitney-vllm-"))
         self._lock = threading.RLock()
@@ -136,37 +163,39 @@ class ReplicaPool:
         if name in replica.adapters:
             return
         response = await self._client.post(f"{replica.server.url}/v1/load_lora_adapter",
-                                           json={"lora_name": name, "lora_path": self._adapters[name]})
+                                           json={"lora_name": name, "lora_path": self._adapters[name]},
+                                           headers=replica.server.headers)
         if response.status_code != 200 and "already been loaded" not in response.text:
             raise InvalidInput(f"vLLM refused the adapter {name}: {response.text[:500]}", field="version")
         replica.adapters.add(name)
 
     async def _unload(self, replica: Replica, name: str) -> None:
         replica.adapters.discard(name)
-        await self._client.post(f"{replica.server.url}/v1/unload_lora_adapter", json={"lora_name": name})
+        await self._client.post(f"{replica.server.url}/v1/unload_lora_adapter", headers=replica.server.headers,
+                                json={"lora_name": name})
 
     async def _sample(self, flight: Flight, replica: Replica, attempt: int) -> None:
         """Stream the sample from the replica; its progress (streaming samples) and its end go to the queue.
         Cancelling the task closes the connection, which aborts the request in vLLM."""
         answer = Answer.of(flight.params)
-        answer.prompt_tokens = flight.prompt
         try:
             if flight.adapter is not None:
                 await self._load(replica, flight.adapter)
             model = self.models[flight.model]
             body = completion_body(flight.prompt, flight.params, flight.adapter or model.spec.served_name,
                                    model.eos_token_ids)
-            async with self._client.stream("POST", f"{replica.server.url}/v1/completions", json=body) as response:
+            async with self._client.stream("POST", f"{replica.server.url}/v1/completions", json=body,
+                                           headers=replica.server.headers) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     raise _refusal(response.status_code, text)
-                async for chunk in _chunks(response, body["stream"]):
+                async for chunk in _chunks(response):
                     answer.add(chunk)
                     if flight.stream:
                         progress = answer.progress()
                         if progress is not None:
                             self._out.put((flight.request_id, attempt, progress))
-            self._out.put((flight.request_id, attempt, answer.result(len(flight.prompt))))
+            self._out.put((flight.request_id, attempt, answer.result()))
         except asyncio.CancelledError:
             raise
         except httpx.TransportError as e:
@@ -190,8 +219,8 @@ class ReplicaPool:
                 pass  # a replica that died is replaced, and its replacement loads it on first use
 
     def register(self, path: str) -> str:
-        """A saved version's adapter directory (an ended run's): its adapter name, loaded on first use."""
-        name = "package-" + hashlib.sha256(path.encode()).hexdigest()[:16]
+        """An adapter directory (an ended run's version, a model's zero adapter): its name, loaded on first use."""
+        name = "adapter-" + hashlib.sha256(path.encode()).hexdigest()[:16]
         with self._lock:
             self._adapters.setdefault(name, path)
         return name
@@ -302,7 +331,7 @@ class ReplicaPool:
     def _start(self, name: str, model: Model) -> Replica:
         model.started += 1
         log = self.log_dir / f"{name.replace('/', '_')}-{model.started}.log"
-        replica = Replica(VllmServer(model.spec, log))
+        replica = Replica(self.launch(name, model.spec, log))
         model.replicas.append(replica)
         return replica
 
@@ -341,7 +370,7 @@ class ReplicaPool:
                 replica.server.stop()
                 for request_id in list(replica.flights):
                     flight = self._flights[request_id]
-                    failure = self._lost(flight, f"exit code {replica.server.process.returncode}")
+                    failure = self._lost(flight, f"exit code {replica.server.returncode}")
                     if failure is not None:
                         self._fail(flight, failure)
                 if not replica.ready and not any(not r.ready for r in model.replicas):
@@ -377,11 +406,8 @@ class _Lost:
     reason: str
 
 
-async def _chunks(response: httpx.Response, streamed: bool):
-    """The answer's chunks: each server-sent event of a streamed one, or the whole body as one."""
-    if not streamed:
-        yield json.loads(await response.aread())
-        return
+async def _chunks(response: httpx.Response):
+    """The answer's chunks: each server-sent event's."""
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue

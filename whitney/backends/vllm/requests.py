@@ -6,7 +6,7 @@ the request goes to Whitney's own sampler instead (backend.py). Everything else 
     num_samples -> n            temperature, top_k (-1/0: off), top_p, seed, max_tokens -> the same
     stop None -> stop_token_ids: the model's EOS ids    stop strings -> stop    stop token ids -> stop_token_ids
     (always with ignore_eos: vLLM adds no stop of its own)
-    top_logprobs k -> logprobs k     prompt_logprobs / topk_prompt_logprobs k -> prompt_logprobs max(k, 0)
+    top_logprobs k -> logprobs k (vLLM lists the chosen token first, then the k most likely: sorted, cut to k)
 
 Token ids travel as ids both ways (`return_tokens_as_token_ids`: "token_id:N" strings), so no text is decoded
 and re-encoded. vLLM's log-probs are of the model's raw distribution (its default `--logprobs-mode`), which is
@@ -28,6 +28,8 @@ def exact_only(prompt: list, params: SamplingParams) -> ExactOnly | None:
         return ExactOnly.IMAGES
     if params.target_prompt_logprobs is not None:
         return ExactOnly.TARGET_LOGPROBS
+    if params.scores_prompt:
+        return ExactOnly.PROMPT_LOGPROBS
     stops = params.stop or ()
     if any(isinstance(s, (list, tuple)) and len(s) > 1 for s in stops):
         return ExactOnly.STOP_SEQUENCES
@@ -36,16 +38,14 @@ def exact_only(prompt: list, params: SamplingParams) -> ExactOnly | None:
 
 def completion_body(prompt: list[int], params: SamplingParams, model: str, eos_token_ids: tuple[int, ...]
                     ) -> dict:
-    """vLLM's /v1/completions body for the request: streamed (a cancel closes the connection, which aborts it
-    there), except when it scores the prompt, which vLLM does only for a whole answer."""
+    """vLLM's /v1/completions body for the request, streamed: a cancel closes the connection, which aborts the
+    request there."""
     body = {"model": model, "prompt": flat(prompt), "max_tokens": params.max_tokens, "n": params.num_samples,
             "temperature": float(params.temperature), "top_p": float(params.top_p),
             "top_k": params.top_k if params.top_k > 0 else -1, "logprobs": max(params.top_logprobs, 1),
-            "return_tokens_as_token_ids": True, "skip_special_tokens": False, "stream": not params.scores_prompt}
+            "return_tokens_as_token_ids": True, "skip_special_tokens": False, "stream": True}
     if params.seed is not None:
         body["seed"] = params.seed
-    if params.scores_prompt:
-        body["prompt_logprobs"] = params.topk_prompt_logprobs
     # EOS stops only as Whitney's contract says (stop None: the model's EOS ids), never by vLLM's own defaults.
     body["ignore_eos"] = True
     stops = list(params.stop) if params.stop is not None else list(eos_token_ids)
@@ -81,11 +81,10 @@ class Sample:
 
 @dataclass
 class Answer:
-    """A request's answer as vLLM streams it: each sample's tokens, log-probs and end; the prompt's log-probs."""
+    """A request's answer as vLLM streams it: each sample's tokens, log-probs and end."""
 
     params: SamplingParams
     samples: list[Sample]
-    prompt_logprobs: list | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> "Answer":
@@ -94,8 +93,6 @@ class Answer:
     def add(self, chunk: dict) -> None:
         """One streamed chunk: each choice's new tokens (ids as "token_id:N"), their log-probs and alternatives."""
         for choice in chunk.get("choices", ()):
-            if choice.get("prompt_logprobs") is not None and self.prompt_logprobs is None:
-                self.prompt_logprobs = choice["prompt_logprobs"]
             sample = self.samples[choice.get("index", 0)]
             logprobs = choice.get("logprobs") or {}
             for i, text in enumerate(logprobs.get("tokens") or ()):
@@ -117,41 +114,9 @@ class Answer:
         return SampleProgress([t for t, _, _ in new], [lp for _, lp, _ in new],
                               [[alts[:k] for alts in top] for _, _, top in new] if k else None)
 
-    def result(self, prompt_length: int) -> SampleResult:
+    def result(self) -> SampleResult:
         """The whole answer in Whitney's shape (stop_reason "length" when max_tokens ended it, else "stop")."""
         k = self.params.top_logprobs
         sequences = [SampledSequence(s.tokens, s.logprobs, "length" if s.finish_reason == "length" else "stop",
                                      [alts[:k] for alts in s.top] if k else None) for s in self.samples]
-        result = SampleResult(sequences)
-        if self.params.scores_prompt:
-            result.prompt_logprobs, result.topk_prompt_logprobs = self._prompt(prompt_length)
-        return result
-
-    def _prompt(self, prompt_length: int) -> tuple[list | None, list | None]:
-        """vLLM's prompt log-probs ([P]: None, then {"token_id:N" or N: {"logprob": x, "rank": r}} holding the
-        prompt's own token and the k most likely) as Whitney's prompt_logprobs [P] and topk_prompt_logprobs [P],
-        only the last `prompt_logprobs_last_n` positions when that is asked (earlier ones None)."""
-        p = self.params
-        rows = self.prompt_logprobs or [None] * prompt_length
-        first = 1 if p.prompt_logprobs_last_n is None else prompt_length - p.prompt_logprobs_last_n
-        own: list = [None] * prompt_length
-        topk: list = [None] * prompt_length
-        for i, row in enumerate(rows):
-            if row is None or i < first:
-                continue
-            entries = [(_id(t), v) for t, v in row.items()]
-            ranked = sorted(entries, key=lambda e: e[1].get("rank", 1 << 30))
-            own_id = self._prompt_token(i)
-            own[i] = next((float(v["logprob"]) for t, v in entries if t == own_id), None)
-            topk[i] = [(t, float(v["logprob"])) for t, v in ranked if v.get("rank", 1 << 30) <= p.topk_prompt_logprobs
-                       ][:p.topk_prompt_logprobs]
-        return (own if p.prompt_logprobs else None), (topk if p.topk_prompt_logprobs > 0 else None)
-
-    prompt_tokens: list[int] | None = None
-
-    def _prompt_token(self, i: int) -> int | None:
-        return self.prompt_tokens[i] if self.prompt_tokens is not None else None
-
-
-def _id(key) -> int:
-    return key if isinstance(key, int) else token_id(key) if ":" in str(key) else int(key)
+        return SampleResult(sequences)

@@ -10,7 +10,9 @@ ends every process of it, and a server that dies takes nothing of this process w
 
 from __future__ import annotations
 
+import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -62,17 +64,18 @@ class ServerSpec:
     max_loras: int
     device: str = "cpu"  # "cpu", or "cuda"/"cuda:N" (vLLM's CUDA build)
 
-    def command(self, port: int) -> list[str]:
+    def command(self, host: str, port: int) -> list[str]:
         rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self.max_lora_rank)  # vLLM's choices
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", self.served_name, "--host", host, "--port", str(port),
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--enable-lora",
                 "--max-lora-rank", str(rank), "--max-loras", str(self.max_loras),
                 "--max-cpu-loras", str(self.max_loras), "--max-logprobs", str(MAX_LOGPROBS),
                 "--disable-uvicorn-access-log", "--disable-log-stats"]
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, api_key: str) -> dict[str, str]:
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1",
+               "VLLM_API_KEY": api_key,  # every /v1 route asks for it: the server may listen beyond this host
                "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         for name in ("PYTHONPATH", "VIRTUAL_ENV", "MALLOC_ARENA_MAX"):  # this process's, not vLLM's
             env.pop(name, None)
@@ -90,21 +93,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class VllmServer:
-    """A started server: its process, address and log. `ready()` never waits; `wait_ready` does."""
+def _die_with_parent() -> None:
+    """In the child before it runs vLLM: killed when the process (thread) that started it dies, so a server killed
+    with SIGKILL leaves no vLLM behind (vLLM's engine core exits when its API server does)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
-    def __init__(self, spec: ServerSpec, log_path: Path):
+
+PR_SET_PDEATHSIG = 1
+
+
+class VllmServer:
+    """A started server: its process, address, key and log. `ready()` never waits; `wait_ready` does.
+    `host` 127.0.0.1 serves this machine only; 0.0.0.0 the cluster (a replica on a Ray node), behind its key."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path, host: str = "127.0.0.1"):
         self.spec = spec
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://127.0.0.1:{self.port}"  # from this machine; ray_host.py says it for other nodes
+        self.api_key = secrets.token_urlsafe(24)
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(spec.command(self.port), stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=spec.environment(),
-                                            start_new_session=True, cwd=log_path.parent)
+            self.process = subprocess.Popen(spec.command(host, self.port), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=spec.environment(self.api_key),
+                                            start_new_session=True, cwd=log_path.parent,
+                                            preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
         self._ready = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
 
     @property
     def pid(self) -> int:
