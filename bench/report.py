@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "hostile", "cluster",
-         "peers", "general", "busy", "tenants", "capacity"]
+         "peers", "general", "busy", "tenants", "capacity", "vllm"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -165,6 +165,51 @@ def absolute(name: str, r: dict) -> str:
                 f"{s['baseline_runs_reached']} runs ({s['baseline_stopped']}), "
                 f"{s['baseline_rss_per_run_mib']:.0f} MiB per run, RSS {s['baseline_rss_mib']:.0f} MiB")
     return ""
+
+
+def vllm_tables(r: dict) -> list[str]:
+    """bench/vllm_sampling.py's figures: a table per measurement, Whitney's sampler against each vLLM setting."""
+    if "error" in r:
+        return []
+    w, names = r["whitney"], [n for n in ("vllm", "vllm_all_cores") if n in r]
+    head = " | ".join(f"{n} | {n} / Whitney" for n in names)
+    rule = "| --- | --- |" + " --- | --- |" * len(names)
+
+    def row(label: str, get, unit: str, digits: int = 1) -> str:
+        a = get(w)
+        cells = " | ".join(f"{get(r[n]):.{digits}f} {unit} | {get(r[n]) / a:.2f}x" for n in names)
+        return f"| {label} | {a:.{digits}f} {unit} | {cells} |"
+
+    def both(x: dict) -> str:
+        return f"{x['equal']:.2f} ({x['mean_prefix']:.2f})"
+
+    lines = ["", f"LoRA rank {r['settings']['rank']}, {r['dtype']}, CPU {r['lscpu']['model_name']} (AVX-512 BF16: "
+             f"{r['lscpu']['avx512_bf16']}); vllm: vLLM's default CPU binding (one core kept for its scheduler), "
+             "vllm_all_cores: VLLM_CPU_NUM_OF_RESERVED_CPU=0. Server start: "
+             + ", ".join(f"{n} {r[n]['start_s']:.0f} s" for n in ["whitney", *names]) + ".", "",
+             f"| sampling | Whitney | {head} |", rule]
+    for wave, kinds in w["waves"].items():
+        for kind in kinds:
+            label = wave.replace("x", " x ") + (" base" if kind == "base" else f" {r['settings']['runs']} LoRA")
+            lines += [row(f"{label}: tokens/s", lambda x, k=kind, v=wave: x["waves"][v][k]["tokens_per_s"], "tok/s"),
+                      row(f"{label}: TTFT p50", lambda x, k=kind, v=wave: 1000 * x["waves"][v][k]["ttft_p50_s"],
+                          "ms", 0)]
+    lines += ["", f"| new version (p50 of {r['settings']['saves']}) | Whitney | {head} |", rule,
+              row("submit save_weights_for_sampler -> its result", lambda x: 1000 * x["swap"]["save_p50_s"], "ms", 0),
+              row("submit save_weights_for_sampler -> first token sampled on it", lambda x: 1000 * x["swap"]["p50_s"],
+                  "ms", 0),
+              "", f"| agreement ({r['settings']['agreement']} tokens) | Whitney | " + " | ".join(names) + " |",
+              "| --- | --- |" + " --- |" * len(names)]
+    for kind in ("base", "lora"):
+        for stat in ("max", "mean"):
+            lines.append(f"| {kind}: {stat} abs(sampled log-prob - compute_logprobs) | "
+                         f"{w['logprob_gap'][kind][stat]:.2e} | "
+                         + " | ".join(f"{r[n]['logprob_gap'][kind][stat]:.2e}" for n in names) + " |")
+    lines += ["| greedy samples equal to Whitney's (mean equal prefix), base | 1.00 (itself) | "
+              + " | ".join(both(r[n]["greedy_base"]) for n in names) + " |",
+              "| greedy samples equal to Whitney's (mean equal prefix), LoRA version vs its state checkpoint | "
+              f"{both(w['greedy_lora'])} | " + " | ".join(both(r[n]["greedy_lora"]) for n in names) + " |"]
+    return lines
 
 
 def fmt_s(x, unit: str = "s") -> str:
@@ -329,6 +374,8 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
     lines += ["", "## Absolute figures (medians) and settings", ""]
     for name, r in results.items():
         lines += [f"### {name}", "", f"- {absolute(name, r)}", f"- settings: {settings(r)}"]
+        if name == "vllm":
+            lines += vllm_tables(r)
         if f"bench_{name}.png" in images:
             lines += ["", f"![{name}](bench_{name}.png)"]
         lines.append("")
@@ -416,6 +463,15 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "forward right after. The baseline (no paging): the runs it held and RSS per run. Targets: RSS (50 active) "
         "<= 2x one run's; page-in p50 <= 100 ms; 1,000 runs; zero errors. capacity-rank8 (`--only capacity --rank 8`): "
         "the same at LoRA rank 8, whose 1,000 paged runs (~32 GiB) fit a disk that rank 32's (~127 GiB) do not.",
+        "- **vllm** (`--only vllm`, needs `make vllm-env`; bench/vllm_sampling.py): `whitney serve` (float32) without "
+        "sampler replicas (Whitney's sampler), then with one vLLM replica (`--samplers 1 --sampler-engine vllm`), with "
+        "vLLM's default CPU binding and on all cores, one server at a time: N chat prompts sent at once "
+        "(temperature 1, seed i, no stop: exactly the new tokens) on the base weights and round robin over 8 runs' "
+        "versions (rank 32, one SFT step each); tokens/s = new tokens / (first submit -> last result); TTFT = the "
+        "same N requests as OpenAI completion streams, the time to the first token's event (each stream closed "
+        "there); new version = submit save_weights_for_sampler (after an SFT step) -> a max_tokens=1 sample of it; "
+        "agreement: the sampled tokens' log-probs against compute_logprobs (the trainer's), and greedy samples against "
+        "Whitney's sampler (LoRA: a save_state package saved with the version, which Whitney's sampler serves).",
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"

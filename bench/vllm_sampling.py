@@ -24,6 +24,7 @@ both at once. On each, the same requests:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,10 @@ from bench.sampling import QUESTIONS
 
 RANK, LR = 32, 2e-3  # LoRA rank of the runs, the learning rate of their SFT steps (B moves off zero visibly)
 DTYPE = "float32"  # both engines, whatever the suite's --dtype: the log-prob agreement is a float32 figure
+VLLM = ["--samplers", "1", "--sampler-engine", "vllm"]
+# name -> (`whitney serve` flags, environment). vLLM's CPU build keeps one core of its own for its scheduler
+# process by default (on 2 cores: one compute thread); vllm_all_cores computes on every core, as Whitney does.
+ENGINES = {"whitney": ([], {}), "vllm": (VLLM, {}), "vllm_all_cores": (VLLM, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})}
 
 
 @dataclass
@@ -70,7 +75,7 @@ class Served:
 
 
 def lscpu() -> dict:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    out = subprocess.run(["lscpu"], check=True, capture_output=True, text=True).stdout
     name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
     return {"model_name": name, "avx512_bf16": "avx512_bf16" in out}
 
@@ -185,9 +190,18 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 def measure(engine: str, plan: Plan, dtype: str) -> dict:
     import whitney
 
-    replicas = ["--samplers", "1", "--sampler-engine", "vllm"] if engine == "vllm" else []
+    flags, env = ENGINES[engine]
     t = time.perf_counter()
-    server = start_server("--dtype", dtype, "--max-lora-rank", str(RANK), *replicas, timeout=900)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the server's environment, and so its vLLM replica's
+    try:
+        server = start_server("--dtype", dtype, "--max-lora-rank", str(RANK), *flags, timeout=900)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     out: dict = {"start_s": time.perf_counter() - t, "waves": {}}
     client = whitney.Client(server.url, timeout=900)
     try:
@@ -231,6 +245,10 @@ def measure(engine: str, plan: Plan, dtype: str) -> dict:
     return out
 
 
+def info(name: str, ratio: float) -> dict:
+    return {"name": f"(info) {name}", "ratio": ratio, "target": None, "op": None}
+
+
 def run(quick: bool = False, dtype: str = DTYPE) -> dict:
     dtype = DTYPE  # the suite's default on a CPU with AVX-512 BF16 is bfloat16; this comparison is float32's
     plan = Plan([Wave(4, 8, 1)], runs=2, saves=2, agree_samples=2, agree_tokens=8) if quick else \
@@ -239,20 +257,24 @@ def run(quick: bool = False, dtype: str = DTYPE) -> dict:
         "waves": ", ".join(w.key for w in plan.waves), "rounds": ", ".join(str(w.rounds) for w in plan.waves),
         "runs": plan.runs, "rank": RANK, "saves": plan.saves,
         "agreement": f"{plan.agree_samples}x{plan.agree_tokens}", "dtype": dtype}, "plan": asdict(plan)}
-    for engine in ("whitney", "vllm"):
+    print(f"  vllm: {dtype} on every server (not the suite's --dtype)", flush=True)
+    for engine in ENGINES:
         result[engine] = measure(engine, plan, dtype)
-    w, v = result["whitney"], result["vllm"]
-    result["greedy_base_vllm_vs_whitney"] = agreement(v["greedy_base_tokens"], w["greedy_base_tokens"])
-    checks = []
-    for wave in plan.waves:
-        for kind in ("base", "lora"):
-            a, b = w["waves"][wave.key][kind], v["waves"][wave.key][kind]
-            label = f"{wave.requests} x {wave.new_tokens} tokens, {'base' if kind == 'base' else f'{plan.runs} LoRA versions'}"
-            checks += [{"name": f"(info) vllm: sampling tokens/s {label}, vLLM / Whitney",
-                        "ratio": b["tokens_per_s"] / a["tokens_per_s"], "target": None, "op": None},
-                       {"name": f"(info) vllm: TTFT p50 {label}, vLLM / Whitney",
-                        "ratio": b["ttft_p50_s"] / a["ttft_p50_s"], "target": None, "op": None}]
-    checks.append({"name": "(info) vllm: save_weights_for_sampler -> first token p50, vLLM / Whitney",
-                   "ratio": v["swap"]["p50_s"] / w["swap"]["p50_s"], "target": None, "op": None})
+    w, checks = result["whitney"], []
+    for name in ENGINES:
+        if name == "whitney":
+            continue
+        v = result[name]
+        v["greedy_base"] = agreement(v["greedy_base_tokens"], w["greedy_base_tokens"])
+        for wave in plan.waves:
+            for kind in ("base", "lora"):
+                a, b = w["waves"][wave.key][kind], v["waves"][wave.key][kind]
+                label = f"{wave.requests} x {wave.new_tokens}, " + ("base" if kind == "base" else
+                                                                   f"{plan.runs} LoRA versions")
+                checks += [info(f"{name}: sampling tokens/s {label}, vLLM / Whitney",
+                                b["tokens_per_s"] / a["tokens_per_s"]),
+                           info(f"{name}: TTFT p50 {label}, vLLM / Whitney", b["ttft_p50_s"] / a["ttft_p50_s"])]
+        checks.append(info(f"{name}: save_weights_for_sampler -> first token p50, vLLM / Whitney",
+                           v["swap"]["p50_s"] / w["swap"]["p50_s"]))
     result["checks"] = checks
     return result

@@ -17,7 +17,7 @@ atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.models import make_tiny_model  # noqa: E402
+from tests.models import VLLM_HEADS, make_tiny_model  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The suite's numbers are the CPU's: engines made with the default device ("auto") would pick a CUDA
@@ -141,3 +141,21 @@ def store(db_url):
     from whitney.service.store.database import Store
 
     return Store(db_url)
+
+
+# vLLM sampler replicas (tests/vllm, tests/cluster/test_ray_vllm.py): vLLM's own environment (`make vllm-env`, the
+# CPU build here), and a tiny Llama whose heads vLLM's CPU attention takes (head size 32).
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    from whitney.backends.vllm.server import default_python
+
+    python = default_python()
+    if not Path(python).is_file():
+        pytest.fail(f"no vLLM environment at {python}: `make vllm-env` builds it (`make test` does)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(tmp_path_factory) -> str:
+    """A 2-layer random Llama (hidden 64, two heads of 32, tied embeddings) with the SmolLM2 tokenizer."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "vllm-tiny", "llama", **VLLM_HEADS))

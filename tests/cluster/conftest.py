@@ -32,8 +32,9 @@ def ray_cluster():
 def ray_config(ray_cluster, models: list[str], data_dir, **overrides) -> ServiceConfig:
     """A server config on the cluster: each model's workers on the node named by `nodes` (default node_a)."""
     nodes = overrides.pop("nodes", {})
+    samplers = overrides.pop("samplers", 1)  # Whitney's own replicas per model, or SamplerReplicas
     config = ServiceConfig(models=models, data_dir=data_dir, backend="ray", ray_address=ray_cluster.address,
-                           samplers=SamplerReplicas(*[overrides.pop("samplers", 1)] * 2),
+                           samplers=SamplerReplicas(samplers, samplers) if isinstance(samplers, int) else samplers,
                            worker_resources={m: {"cpus": 1, nodes.get(m, "node_a"): 1} for m in models})
     for key, value in overrides.items():
         setattr(config, key, value)
