@@ -15,6 +15,8 @@ BACKENDS = {
     "inprocess": "whitney.backends.in_process",  # the engine in this process
     "ray": "whitney.backends.ray",  # a trainer (and sampler replicas) per model in Ray actors
 }
+# Sampler replicas of another engine, beside whichever backend (`--sampler-engine`); Whitney's own are the backend's.
+REPLICAS = {SamplerEngine.VLLM: "whitney.backends.vllm"}
 
 
 def start(name: str, spec: BackendSpec) -> ServedBackend:
@@ -22,13 +24,12 @@ def start(name: str, spec: BackendSpec) -> ServedBackend:
     unknown name or a backend whose package is not installed."""
     if name not in BACKENDS:
         raise InvalidInput(f"backend must be one of {sorted(BACKENDS)}, got {name!r}", field="backend")
-    if spec.samplers.engine != SamplerEngine.VLLM or spec.samplers.maximum == 0:
+    if spec.samplers.engine not in REPLICAS or spec.samplers.maximum == 0:
         return importlib.import_module(BACKENDS[name]).start_backend(spec)
-    from whitney.backends import vllm  # replicas of vLLM beside the backend, for either backend
-
-    inner = importlib.import_module(BACKENDS[name]).start_backend(vllm.without_replicas(spec))
+    replicas = importlib.import_module(REPLICAS[spec.samplers.engine])
+    inner = importlib.import_module(BACKENDS[name]).start_backend(replicas.without_replicas(spec))
     try:
-        return vllm.with_replicas(inner, spec, on_ray=name == "ray")
+        return replicas.with_replicas(inner, spec, on_ray=name == "ray")
     except BaseException:
         inner.close()
         raise

@@ -1,0 +1,98 @@
+"""Sampler replicas' settings and vLLM's request mapping, without a vLLM server (tests/vllm runs a real one): the
+`--samplers` forms, what goes to Whitney's exact sampler, a request as vLLM's completions body, and vLLM's streamed
+chunks (their shape as vLLM 0.32 sends them) back as Whitney's result."""
+
+from __future__ import annotations
+
+import pytest
+
+from whitney.backends.vllm.requests import Answer, completion_body, exact_only
+from whitney.errors import InvalidInput
+from whitney.protocol.backend import ExactOnly, SamplerEngine, SamplerReplicas
+from whitney.protocol.sampling import SampleProgress, SamplingParams
+from whitney.protocol.training import ImageInput
+
+
+def test_the_samplers_forms():
+    assert SamplerReplicas.parse("2") == SamplerReplicas(2, 2)
+    assert SamplerReplicas.parse("auto", engine=SamplerEngine.VLLM) == SamplerReplicas(0, 1, SamplerEngine.VLLM)
+    assert SamplerReplicas.parse("1..3").elastic and not SamplerReplicas.parse("3").elastic
+    for bad in ("-1", "3..1", "x", "1..", "..2", "1.5"):
+        with pytest.raises(InvalidInput) as e:
+            SamplerReplicas.parse(bad)
+        assert e.value.field == "samplers"
+
+
+def test_what_vllm_does_not_serve_goes_to_the_exact_sampler():
+    plain = SamplingParams(max_tokens=4, stop=["\n", 7, [9]])
+    assert exact_only([1, 2, [3, 4]], plain) is None
+    assert exact_only([1, ImageInput(data=b"", format="png")], plain) == ExactOnly.IMAGES
+    assert exact_only([1, 2], SamplingParams(prompt_logprobs=True)) == ExactOnly.PROMPT_LOGPROBS
+    assert exact_only([1, 2], SamplingParams(topk_prompt_logprobs=3)) == ExactOnly.PROMPT_LOGPROBS
+    assert exact_only([1, 2], SamplingParams(target_prompt_logprobs=((1,),))) == ExactOnly.TARGET_LOGPROBS
+    assert exact_only([1, 2], SamplingParams(stop=[[5, 6]])) == ExactOnly.STOP_SEQUENCES
+
+
+def test_a_request_as_vllms_body():
+    params = SamplingParams(max_tokens=9, temperature=0.5, top_k=0, top_p=0.9, seed=4, num_samples=3,
+                            top_logprobs=2, stop=["END", 7, [8]])
+    body = completion_body([1, [2, 3]], params, "run.v1", (2,))
+    assert body["prompt"] == [1, 2, 3] and body["model"] == "run.v1" and body["n"] == 3 and body["seed"] == 4
+    assert (body["max_tokens"], body["temperature"], body["top_k"], body["top_p"]) == (9, 0.5, -1, 0.9)
+    assert body["stop"] == ["END"] and body["stop_token_ids"] == [7, 8] and body["ignore_eos"] is True
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] and body["stream"]
+    eos = completion_body([1], SamplingParams(), "m", (2, 5))  # stop None: the model's EOS ids, nothing of vLLM's
+    assert eos["stop_token_ids"] == [2, 5] and "stop" not in eos and "seed" not in eos
+    assert "stop_token_ids" not in completion_body([1], SamplingParams(stop=()), "m", (2,))
+
+
+def chunk(index: int, tokens: list[int], logprobs: list[float], tops: list[dict] | None = None,
+          finish: str | None = None) -> dict:
+    """A streamed completion chunk as vLLM sends it (return_tokens_as_token_ids; top_logprobs holds the chosen
+    token and the k most likely, keyed "token_id:N")."""
+    return {"choices": [{"index": index, "text": "", "finish_reason": finish, "logprobs": {
+        "tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs,
+        "top_logprobs": [{f"token_id:{t}": v for t, v in top.items()} for top in tops] if tops else None}}]}
+
+
+def test_streamed_chunks_as_progress_and_result():
+    answer = Answer.of(SamplingParams(num_samples=2, top_logprobs=1))
+    answer.add(chunk(1, [5], [-0.5], [{5: -0.5, 6: -0.25}]))
+    first = answer.progress()
+    assert isinstance(first, SampleProgress) and first.tokens == [[], [5]] and first.top_logprobs == [[], [[(6, -0.25)]]]
+    assert answer.progress() is None
+    answer.add(chunk(0, [7, 2], [-1.0, -2.0], [{7: -1.0}, {2: -2.0, 3: -0.5}], finish="stop"))
+    answer.add(chunk(1, [9], [-0.1], [{9: -0.1}], finish="length"))
+    result = answer.result()
+    assert [s.tokens for s in result.sequences] == [[7, 2], [5, 9]]
+    assert [s.stop_reason for s in result.sequences] == ["stop", "length"]
+    assert result.sequences[0].top_logprobs == [[(7, -1.0)], [(3, -0.5)]]  # the k most likely, not the chosen
+    assert result.prompt_logprobs is None
+
+
+def test_the_serve_flags():
+    from whitney.cli import backend_config, build_parser
+
+    def config(*flags: str) -> dict:
+        return backend_config(build_parser().parse_args(["serve", *flags]))
+
+    vllm = config("--samplers", "auto", "--sampler-engine", "vllm", "--vllm-python", "/x/python",
+                  "--sampler-idle-seconds", "30", "--vllm-max-loras", "4")["samplers"]
+    assert vllm == SamplerReplicas(0, 1, SamplerEngine.VLLM, "/x/python", 30.0, 4)  # beside the in-process backend
+    assert config("--backend", "ray", "--samplers", "2")["samplers"] == SamplerReplicas(2, 2)
+    assert config()["samplers"] == SamplerReplicas()
+    for flags, words in ((("--samplers", "1"), "--backend ray"), (("--samplers", "1..x"), "MIN..MAX"),
+                         (("--samplers", "1", "--sampler-engine", "vllm", "--vllm-max-loras", "0"), "max-loras")):
+        with pytest.raises(InvalidInput) as e:
+            config(*flags)
+        assert words in e.value.message, e.value.message
+
+
+def test_elastic_replicas_of_whitneys_own_sampler_are_refused_on_ray():
+    from whitney.backends.ray.placement import placements
+    from whitney.protocol.backend import BackendSpec
+    from whitney.protocol.config import EngineConfig
+
+    with pytest.raises(InvalidInput) as e:
+        placements(BackendSpec(EngineConfig(), (("m", "m"),), samplers=SamplerReplicas(0, 1)))
+    assert e.value.field == "samplers" and "--sampler-engine vllm" in e.value.message
