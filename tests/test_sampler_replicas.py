@@ -96,3 +96,16 @@ def test_elastic_replicas_of_whitneys_own_sampler_are_refused_on_ray():
     with pytest.raises(InvalidInput) as e:
         placements(BackendSpec(EngineConfig(), (("m", "m"),), samplers=SamplerReplicas(0, 1)))
     assert e.value.field == "samplers" and "--sampler-engine vllm" in e.value.message
+
+
+def test_an_adapter_of_moe_experts_stays_with_whitneys_sampler(tmp_path):
+    import json
+
+    from whitney.backends.vllm.backend import expressible
+
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "adapter_config.json").write_text(json.dumps({"target_modules": ["q_proj", "lm_head"]}))
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "adapter_config.json").write_text(json.dumps(
+        {"target_modules": ["q_proj"], "target_parameters": ["mlp.experts.gate_up_proj"]}))
+    assert expressible(tmp_path / "dense") and not expressible(tmp_path / "moe")

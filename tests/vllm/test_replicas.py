@@ -244,3 +244,31 @@ def test_elastic_replicas_start_on_the_first_sample_and_stop_when_idle(tmp_path,
         assert again["sequences"][0]["tokens"] == first["sequences"][0]["tokens"]
     finally:
         server.stop()
+
+
+def vllm_metric(server, name: str) -> float:
+    """A counter or gauge of the replica's own Prometheus metrics, summed over its labels."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_cancelled_sample_is_aborted_in_vllm(served):
+    http, client = served.http(), Client(served.url)
+    pool = pool_of(served)
+    run = client.create_session().create_run(rank=8, alpha=16.0, seed=6)
+    v = run.save_weights_for_sampler().result()["version"]
+    replica = pool.models[next(iter(pool.models))].replicas[0].server
+    aborted = 'vllm:request_success_total{finished_reason="abort"'
+    before = vllm_metric(replica, aborted)
+    os.killpg(replica.pid, signal.SIGSTOP)  # frozen: the sample is surely running when it is cancelled
+    try:
+        op = expect(http.post("/v1/samples", json=dict(run_id=run.id, version=v, prompt=PROMPT, num_samples=8,
+                                                        max_tokens=400, stop=[])), 202)
+        until(lambda: pool.in_flight == 1, 30, "the sample on the replica")
+        expect(http.post(f"/v1/samples/{op['id']}/cancel"), 202)
+        assert poll(http, op["id"])["status"] == "cancelled"
+        until(lambda: pool.in_flight == 0, 10, "the sample to leave the pool")
+    finally:
+        os.killpg(replica.pid, signal.SIGCONT)
+    until(lambda: vllm_metric(replica, aborted) == before + 1, 30, "vLLM to abort the request")
+    assert vllm_metric(replica, "vllm:num_requests_running") == 0

@@ -37,6 +37,8 @@ def with_replicas(inner: ServedBackend, spec: BackendSpec, on_ray: bool = False)
     models, bases = {}, {}
     for served in dict.fromkeys(names.values()):
         info = inner.models[served]
+        if info.vision:
+            continue  # Whitney's sampler serves vision models (their images and their processors are its own)
         models[served] = (ServerSpec(python, info.files, served, info.compute_dtype, info.max_context,
                                      spec.engine.max_lora_rank, settings.max_loras,
                                      "cpu" if info.device == "cpu" else info.device), info.eos_token_ids)

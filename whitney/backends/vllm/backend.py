@@ -16,6 +16,8 @@ training thread (in-process) is then called under one lock, so its engine never 
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from contextlib import nullcontext
 from dataclasses import replace
@@ -30,6 +32,12 @@ from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingPara
 from whitney.protocol.training import AdamParams, Checked, ForwardRequest, ForwardResult, LoraConfig
 
 ADAPTER_DIR = "vllm_adapter"  # a sampler version's PEFT adapter, inside its package
+
+
+def expressible(adapter: Path) -> bool:
+    """Whether vLLM applies this PEFT adapter as Whitney does: not an adapter of MoE experts' stacked weights
+    (PEFT `target_parameters`), which vLLM's LoRA does not load."""
+    return not json.loads((adapter / "adapter_config.json").read_text()).get("target_parameters")
 
 
 class VllmSampling:
@@ -108,9 +116,11 @@ class VllmSampling:
             version = self.inner.save(run_id, kind, path, include_optimizer)
             if kind != PackageKind.SAMPLER or self._runs.get(run_id) not in self.pool.models:
                 return version
-            adapter = str(Path(path) / ADAPTER_DIR)
-            self.inner.save(run_id, PackageKind.LORA, adapter)  # the adapter the version just froze
-        self.pool.publish(self._runs[run_id], run_id, version, adapter)
+            adapter = Path(path) / ADAPTER_DIR
+            self.inner.save(run_id, PackageKind.LORA, str(adapter))  # the adapter the version just froze
+        if expressible(adapter) and self.pool.publish(self._runs[run_id], run_id, version, str(adapter)):
+            return version
+        shutil.rmtree(adapter, ignore_errors=True)  # Whitney's sampler serves this version, from its state
         return version
 
     def create_run(self, run_id: str, base_model: str, lora: LoraConfig, resume_path: str | None = None,

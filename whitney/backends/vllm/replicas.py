@@ -205,9 +205,10 @@ class ReplicaPool:
 
     # ---- the calling threads' side -----------------------------------------------------------
 
-    def publish(self, model: str, run_id: str, version: int, path: str) -> None:
+    def publish(self, model: str, run_id: str, version: int, path: str) -> bool:
         """Version `version` of the run, written as a PEFT adapter at `path`: loaded by every ready replica of
-        the model before this returns (a replica that starts later loads it on first use)."""
+        the model before this returns (a replica that starts later loads it on first use). False when vLLM
+        refuses it: the version is then not served here (Whitney's sampler serves it)."""
         name = adapter_name(run_id, version)
         with self._lock:
             self._adapters[name] = path
@@ -217,6 +218,11 @@ class ReplicaPool:
                 self._on_loop(self._load(replica, name))
             except (httpx.TransportError, TimeoutError):
                 pass  # a replica that died is replaced, and its replacement loads it on first use
+            except InvalidInput:
+                with self._lock:
+                    del self._adapters[name]
+                return False
+        return True
 
     def register(self, path: str) -> str:
         """An adapter directory (an ended run's version, a model's zero adapter): its name, loaded on first use."""
