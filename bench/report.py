@@ -156,6 +156,12 @@ def absolute(name: str, r: dict) -> str:
                          f"sample p50 {fmt_s(row['sample_p50_s'])} / p99 {fmt_s(row['sample_p99_s'])}, "
                          f"{row['errors']} errors")
         return "; ".join(parts)
+    if name == "vllm":
+        wave = list(r["whitney"]["waves"])[-1]
+        names = [n for n in ("whitney", "vllm", "vllm_all_cores") if n in r]
+        return (f"{wave.replace('x', ' x ')} tokens over {r['settings']['runs']} LoRA versions: " + ", ".join(
+            f"{n} {r[n]['waves'][wave]['lora']['tokens_per_s']:.0f} tok/s" for n in names)
+            + "; every figure in the tables below")
     if name.startswith("capacity"):
         s = r["summary"]
         return (f"{s['runs_reached']} of {s['runs_target']} runs ({s['stopped']}); RSS one run "

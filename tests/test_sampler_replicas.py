@@ -25,12 +25,13 @@ def test_the_samplers_forms():
 
 def test_what_vllm_does_not_serve_goes_to_the_exact_sampler():
     plain = SamplingParams(max_tokens=4, stop=["\n", 7, [9]])
-    assert exact_only([1, 2, [3, 4]], plain) is None
-    assert exact_only([1, ImageInput(data=b"", format="png")], plain) == ExactOnly.IMAGES
-    assert exact_only([1, 2], SamplingParams(prompt_logprobs=True)) == ExactOnly.PROMPT_LOGPROBS
-    assert exact_only([1, 2], SamplingParams(topk_prompt_logprobs=3)) == ExactOnly.PROMPT_LOGPROBS
-    assert exact_only([1, 2], SamplingParams(target_prompt_logprobs=((1,),))) == ExactOnly.TARGET_LOGPROBS
-    assert exact_only([1, 2], SamplingParams(stop=[[5, 6]])) == ExactOnly.STOP_SEQUENCES
+    assert exact_only([1, 2, [3, 4]], plain, 8) is None
+    assert exact_only([1, ImageInput(data=b"", format="png")], plain, 8) == ExactOnly.IMAGES
+    assert exact_only([1, 2], SamplingParams(prompt_logprobs=True), 8) == ExactOnly.PROMPT_LOGPROBS
+    assert exact_only([1, 2], SamplingParams(topk_prompt_logprobs=3), 8) == ExactOnly.PROMPT_LOGPROBS
+    assert exact_only([1, 2], SamplingParams(target_prompt_logprobs=((1,),)), 8) == ExactOnly.TARGET_LOGPROBS
+    assert exact_only([1, 2], SamplingParams(stop=[[5, 6]]), 8) == ExactOnly.STOP_SEQUENCES
+    assert exact_only([1, 2, [3]], SamplingParams(max_tokens=6), 8) == ExactOnly.LONG
 
 
 def test_a_request_as_vllms_body():
@@ -77,8 +78,10 @@ def test_the_serve_flags():
         return backend_config(build_parser().parse_args(["serve", *flags]))
 
     vllm = config("--samplers", "auto", "--sampler-engine", "vllm", "--vllm-python", "/x/python",
-                  "--sampler-idle-seconds", "30", "--vllm-max-loras", "4")["samplers"]
-    assert vllm == SamplerReplicas(0, 1, SamplerEngine.VLLM, "/x/python", 30.0, 4)  # beside the in-process backend
+                  "--sampler-idle-seconds", "30", "--vllm-max-loras", "4", "--vllm-max-model-len", "2048",
+                  "--vllm-args", "--gpu-memory-utilization 0.4")["samplers"]
+    assert vllm == SamplerReplicas(0, 1, SamplerEngine.VLLM, "/x/python", 30.0, 4, 2048,
+                                   ("--gpu-memory-utilization", "0.4"))  # beside the in-process backend
     assert config("--backend", "ray", "--samplers", "2")["samplers"] == SamplerReplicas(2, 2)
     assert config()["samplers"] == SamplerReplicas()
     for flags, words in ((("--samplers", "1"), "--backend ray"), (("--samplers", "1..x"), "MIN..MAX"),
@@ -109,3 +112,17 @@ def test_an_adapter_of_moe_experts_stays_with_whitneys_sampler(tmp_path):
     (tmp_path / "moe" / "adapter_config.json").write_text(json.dumps(
         {"target_modules": ["q_proj"], "target_parameters": ["mlp.experts.gate_up_proj"]}))
     assert expressible(tmp_path / "dense") and not expressible(tmp_path / "moe")
+
+
+def test_the_kv_cache_holds_one_longest_sequence(tmp_path):
+    import json
+
+    from whitney.backends.vllm.server import CPU_KV_CACHE_GIB, kv_cache_gib
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28, "num_attention_heads": 16,
+                                                      "num_key_value_heads": 8, "head_dim": 128,
+                                                      "hidden_size": 1024}))
+    # 28 layers x K,V x 8 heads x 128 x 4 bytes = 229,376 bytes a token: 40,960 tokens are 8.75 GiB, x 1.25
+    assert kv_cache_gib(str(tmp_path), "float32", 40960) == 11
+    assert kv_cache_gib(str(tmp_path), "bfloat16", 40960) == 6
+    assert kv_cache_gib(str(tmp_path), "float32", 512) == CPU_KV_CACHE_GIB

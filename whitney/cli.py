@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -251,6 +252,12 @@ def add_backend_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--vllm-max-loras", type=int, default=SamplerReplicas.max_loras, metavar="N",
                        help="adapters a vLLM replica holds on its device at once; more are reloaded from their "
                             f"files on demand (default {SamplerReplicas.max_loras})")
+    group.add_argument("--vllm-max-model-len", type=int, default=SamplerReplicas.max_model_len, metavar="N",
+                       help="the longest prompt plus max_tokens a vLLM replica serves (at most the model's context; "
+                            "longer samples go to Whitney's sampler; default %(default)s)")
+    group.add_argument("--vllm-args", default="", metavar="'ARGS'",
+                       help="more arguments for every vLLM server, e.g. '--gpu-memory-utilization 0.4' beside a "
+                            "trainer on the same GPU")
     group.add_argument("--sampler-idle-seconds", type=float, default=SamplerReplicas.idle_seconds, metavar="S",
                        help="an elastic replica idle this long stops (default %(default)s)")
     group.add_argument("--worker-resources", action="append", default=[], metavar="MODEL=cpus:N,gpus:N,RES:N",
@@ -266,13 +273,14 @@ def backend_config(args) -> dict:
 
     samplers = SamplerReplicas.parse(args.samplers, engine=SamplerEngine(args.sampler_engine),
                                      vllm_python=args.vllm_python, idle_seconds=args.sampler_idle_seconds,
-                                     max_loras=args.vllm_max_loras)
+                                     max_loras=args.vllm_max_loras, max_model_len=args.vllm_max_model_len,
+                                     vllm_args=tuple(shlex.split(args.vllm_args)))
     whitney_replicas = samplers.maximum > 0 and samplers.engine == SamplerEngine.WHITNEY
     if args.backend != "ray" and (args.ray_address or whitney_replicas or args.worker_resources):
         raise InvalidInput("--ray-address, --worker-resources and --samplers of Whitney's own sampler need "
                            "--backend ray (vLLM replicas, --sampler-engine vllm, run beside either backend)")
-    if args.vllm_max_loras < 1 or args.sampler_idle_seconds <= 0:
-        raise InvalidInput("--vllm-max-loras must be >= 1 and --sampler-idle-seconds > 0")
+    if args.vllm_max_loras < 1 or args.vllm_max_model_len < 1 or args.sampler_idle_seconds <= 0:
+        raise InvalidInput("--vllm-max-loras and --vllm-max-model-len must be >= 1 and --sampler-idle-seconds > 0")
     resources = {}
     for spec in args.worker_resources:
         model, sep, items = spec.partition("=")

@@ -164,6 +164,7 @@ class ExactOnly(StrEnum):
     PROMPT_LOGPROBS = "prompt log-probs (prompt_logprobs, topk_prompt_logprobs)"
     TARGET_LOGPROBS = "target_prompt_logprobs"
     STOP_SEQUENCES = "stop sequences of several token ids"
+    LONG = "a prompt plus max_tokens beyond the replicas' context (whitney serve --vllm-max-model-len)"
     STATE_CHECKPOINTS = "sampling a state checkpoint (save_state); sampler versions are served, an ended run's too"
 
 
@@ -178,6 +179,8 @@ class SamplerReplicas:
     vllm_python: str | None = None  # the interpreter of vLLM's environment (None: `make vllm-env`'s .venv-vllm)
     idle_seconds: float = 300.0
     max_loras: int = 8  # vLLM: adapters held at once on its device (more are reloaded from their files on demand)
+    max_model_len: int = 8192  # vLLM: the longest prompt plus max_tokens it serves (beyond: Whitney's sampler)
+    vllm_args: tuple[str, ...] = ()  # vLLM: more arguments of its server, as given (e.g. --gpu-memory-utilization)
 
     @property
     def elastic(self) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from whitney.backends.vllm.backend import VllmSampling
 from whitney.backends.vllm.replicas import Launch, ReplicaPool
-from whitney.backends.vllm.server import ServerSpec, check_python, default_python
+from whitney.backends.vllm.server import ServerSpec, check_python, default_python, kv_cache_gib
 from whitney.protocol.backend import BackendSpec, PackageKind, SamplerReplicas, ServedBackend
 from whitney.protocol.training import LoraConfig
 
@@ -39,9 +39,12 @@ def with_replicas(inner: ServedBackend, spec: BackendSpec, on_ray: bool = False)
         info = inner.models[served]
         if info.vision:
             continue  # Whitney's sampler serves vision models (their images and their processors are its own)
-        models[served] = (ServerSpec(python, info.files, served, info.compute_dtype, info.max_context,
+        length = min(info.max_context, settings.max_model_len)
+        models[served] = (ServerSpec(python, info.files, served, info.compute_dtype, length,
                                      spec.engine.max_lora_rank, settings.max_loras,
-                                     "cpu" if info.device == "cpu" else info.device), info.eos_token_ids)
+                                     "cpu" if info.device == "cpu" else info.device,
+                                     kv_cache_gib(info.files, info.compute_dtype, length), settings.vllm_args),
+                          info.eos_token_ids)
         bases[served] = base_adapter(inner, served, work / f"base-{len(bases)}")
     pool = ReplicaPool(models, settings, _ray_launch(spec) if on_ray else None, log_dir=work)
     return VllmSampling(inner, pool, names, {m: pool.register(path) for m, path in bases.items()})

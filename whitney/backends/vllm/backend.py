@@ -84,7 +84,7 @@ class VllmSampling:
     def submit_sample(self, request_id: str, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> None:
         target = self._adapter(weights)
-        if target is not None and exact_only(prompt, params) is None:
+        if target is not None and exact_only(prompt, params, self.pool.models[target[0]].spec.max_model_len) is None:
             self.pool.submit(request_id, target[0], prompt, params, target[1], stream)
             self._on_pool.add(request_id)
             return

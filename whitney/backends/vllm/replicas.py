@@ -33,7 +33,7 @@ import httpx
 
 from whitney.backends.vllm.requests import Answer, completion_body, flat
 from whitney.backends.vllm.server import ServerSpec, VllmServer
-from whitney.errors import InvalidInput, Unavailable
+from whitney.errors import InvalidInput, NotFound, Unavailable
 from whitney.protocol.backend import Failure, SamplerReplicas, WorkerLost
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 
@@ -162,8 +162,11 @@ class ReplicaPool:
         """The adapter registered on the replica (once; vLLM reloads it from its directory after an eviction)."""
         if name in replica.adapters:
             return
+        path = self._adapters.get(name)
+        if path is None:
+            raise NotFound(f"the adapter {name} was deleted with its run", field="version")
         response = await self._client.post(f"{replica.server.url}/v1/load_lora_adapter",
-                                           json={"lora_name": name, "lora_path": self._adapters[name]},
+                                           json={"lora_name": name, "lora_path": path},
                                            headers=replica.server.headers)
         if response.status_code != 200 and "already been loaded" not in response.text:
             raise InvalidInput(f"vLLM refused the adapter {name}: {response.text[:500]}", field="version")
@@ -186,10 +189,21 @@ class ReplicaPool:
                                    model.eos_token_ids)
             async with self._client.stream("POST", f"{replica.server.url}/v1/completions", json=body,
                                            headers=replica.server.headers) as response:
+                if response.status_code >= 500:  # its engine failed (it exits and is replaced)
+                    text = (await response.aread()).decode(errors="replace")
+                    self._out.put((flight.request_id, attempt, _Lost(f"vLLM answered {response.status_code}: "
+                                                                      f"{text[:300]}")))
+                    return
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     raise _refusal(response.status_code, text)
                 async for chunk in _chunks(response):
+                    if "error" in chunk:  # mid-stream: its engine failed (5xx), or the request was refused
+                        code = int(chunk["error"].get("code") or 500)
+                        if code >= 500:
+                            self._out.put((flight.request_id, attempt, _Lost(json.dumps(chunk["error"])[:300])))
+                            return
+                        raise _refusal(code, json.dumps(chunk["error"]))
                     answer.add(chunk)
                     if flight.stream:
                         progress = answer.progress()
@@ -420,10 +434,7 @@ async def _chunks(response: httpx.Response):
         data = line[len("data: "):]
         if data == "[DONE]":
             return
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise _refusal(400, json.dumps(chunk["error"]))
-        yield chunk
+        yield json.loads(data)
 
 
 def adapter_name(run_id: str, version: int) -> str:
@@ -431,11 +442,9 @@ def adapter_name(run_id: str, version: int) -> str:
 
 
 def _refusal(status: int, text: str) -> Exception:
-    """vLLM's refusal of a request as the caller's error (a 400 naming what vLLM said), or a server error."""
+    """vLLM's refusal of a request (4xx) as the caller's error: a 400 naming what vLLM said."""
     try:
         message = json.loads(text).get("error", {}).get("message") or json.loads(text).get("message") or text
     except (ValueError, AttributeError):
         message = text
-    if 400 <= status < 500:
-        return InvalidInput(f"vLLM refused the sample: {str(message)[:500]}", field="prompt")
-    return RuntimeError(f"vLLM answered {status}: {str(message)[:500]}")
+    return InvalidInput(f"vLLM refused the sample ({status}): {str(message)[:500]}", field="prompt")

@@ -22,7 +22,7 @@ from whitney.protocol.sampling import SampledSequence, SampleProgress, SampleRes
 from whitney.protocol.training import ImageInput
 
 
-def exact_only(prompt: list, params: SamplingParams) -> ExactOnly | None:
+def exact_only(prompt: list, params: SamplingParams, max_model_len: int) -> ExactOnly | None:
     """Why Whitney's own sampler must serve this request (None: vLLM serves it exactly as asked)."""
     if any(isinstance(c, ImageInput) for c in prompt):
         return ExactOnly.IMAGES
@@ -33,6 +33,8 @@ def exact_only(prompt: list, params: SamplingParams) -> ExactOnly | None:
     stops = params.stop or ()
     if any(isinstance(s, (list, tuple)) and len(s) > 1 for s in stops):
         return ExactOnly.STOP_SEQUENCES
+    if len(flat(prompt)) + params.max_tokens > max_model_len:
+        return ExactOnly.LONG
     return None
 
 

@@ -11,6 +11,8 @@ ends every process of it, and a server that dies takes nothing of this process w
 from __future__ import annotations
 
 import ctypes
+import json
+import math
 import os
 import secrets
 import signal
@@ -63,6 +65,8 @@ class ServerSpec:
     max_lora_rank: int
     max_loras: int
     device: str = "cpu"  # "cpu", or "cuda"/"cuda:N" (vLLM's CUDA build)
+    kv_cache_gib: int = CPU_KV_CACHE_GIB  # on a CPU: its KV cache (vLLM takes most of the machine unless told)
+    extra_args: tuple[str, ...] = ()
 
     def command(self, host: str, port: int) -> list[str]:
         rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self.max_lora_rank)  # vLLM's choices
@@ -71,7 +75,7 @@ class ServerSpec:
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--enable-lora",
                 "--max-lora-rank", str(rank), "--max-loras", str(self.max_loras),
                 "--max-cpu-loras", str(self.max_loras), "--max-logprobs", str(MAX_LOGPROBS),
-                "--disable-uvicorn-access-log", "--disable-log-stats"]
+                "--disable-uvicorn-access-log", "--disable-log-stats", *self.extra_args]
 
     def environment(self, api_key: str) -> dict[str, str]:
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1",
@@ -80,11 +84,22 @@ class ServerSpec:
         for name in ("PYTHONPATH", "VIRTUAL_ENV", "MALLOC_ARENA_MAX"):  # this process's, not vLLM's
             env.pop(name, None)
         if self.device == "cpu":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
             env["CUDA_VISIBLE_DEVICES"] = ""
         elif ":" in self.device:
             env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1]
         return env
+
+
+def kv_cache_gib(model_dir: str, dtype: str, max_model_len: int) -> int:
+    """GiB of KV cache that hold one sequence of `max_model_len` tokens (and at least CPU_KV_CACHE_GIB), from the
+    model's config: layers x 2 (K, V) x KV heads x head size x bytes per number per token."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * heads * head_dim * (4 if dtype == "float32" else 2)
+    return max(CPU_KV_CACHE_GIB, math.ceil(1.25 * per_token * max_model_len / 2**30))
 
 
 def free_port() -> int:
