@@ -85,16 +85,6 @@ class RayHosted:
     def ready(self) -> bool:
         return self._state()[1]
 
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready():
-            if self._dead or time.monotonic() > deadline:
-                tail = self.log_tail()
-                self.stop()
-                raise RuntimeError(f"the vLLM replica on Ray did not start; the end of its log ({self.log_path}):\n"
-                                   f"{tail}")
-            time.sleep(0.5)
-
     def log_tail(self, lines: int = 20) -> str:
         try:
             return self.ray.get(self.actor.log_tail.remote(lines), timeout=DESCRIBE_TIMEOUT)

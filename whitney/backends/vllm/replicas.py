@@ -32,7 +32,7 @@ from typing import Callable, Protocol
 import httpx
 
 from whitney.backends.vllm.requests import Answer, completion_body, flat
-from whitney.backends.vllm.server import ServerSpec, VllmServer
+from whitney.backends.vllm.server import ServerSpec, VllmServer, wait_ready
 from whitney.errors import InvalidInput, NotFound, Unavailable
 from whitney.protocol.backend import Failure, SamplerReplicas, WorkerLost
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
@@ -56,7 +56,6 @@ class Server(Protocol):
 
     def alive(self) -> bool: ...
     def ready(self) -> bool: ...
-    def wait_ready(self, timeout: float) -> None: ...
     def log_tail(self, lines: int = 20) -> str: ...
     def stop(self) -> None: ...
 
@@ -128,7 +127,7 @@ class ReplicaPool:
                     self._start(name, model)
             for model in self.models.values():
                 for replica in model.replicas:
-                    replica.server.wait_ready(START_TIMEOUT)
+                    wait_ready(replica.server, START_TIMEOUT)
                     replica.ready = True
         except BaseException:
             self.close()

@@ -119,7 +119,7 @@ PR_SET_PDEATHSIG = 1
 
 
 class VllmServer:
-    """A started server: its process, address, key and log. `ready()` never waits; `wait_ready` does.
+    """A started server: its process, address, key and log. `ready()` never waits (`wait_ready` below does).
     `host` 127.0.0.1 serves this machine only; 0.0.0.0 the cluster (a replica on a Ray node), behind its key."""
 
     def __init__(self, spec: ServerSpec, log_path: Path, host: str = "127.0.0.1"):
@@ -161,17 +161,6 @@ class VllmServer:
                 return False
         return self._ready and self.alive()
 
-    def wait_ready(self, timeout: float) -> None:
-        """Block until it serves; RuntimeError with its log's end if it exits or takes longer than `timeout`."""
-        deadline = time.monotonic() + timeout
-        while not self.ready():
-            if not self.alive() or time.monotonic() > deadline:
-                why = "exited" if not self.alive() else f"did not answer within {timeout:.0f} s"
-                self.stop()
-                raise RuntimeError(f"the vLLM server for {self.spec.served_name} {why}; the end of its log "
-                                   f"({self.log_path}):\n{self.log_tail()}")
-            time.sleep(0.5)
-
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -188,3 +177,16 @@ class VllmServer:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             print(f"vLLM server {self.process.pid} did not exit", file=sys.stderr)
+
+
+def wait_ready(server, timeout: float) -> None:
+    """Block until a server (this module's, or ray_host's) serves; RuntimeError with its log's end, once stopped,
+    if it exits or takes longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not server.ready():
+        if not server.alive() or time.monotonic() > deadline:
+            why = "exited" if not server.alive() else f"did not answer within {timeout:.0f} s"
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"a vLLM server {why}; the end of its log ({server.log_path}):\n{tail}")
+        time.sleep(0.5)
