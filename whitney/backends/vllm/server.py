@@ -75,7 +75,7 @@ class ServerSpec:
                 "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--enable-lora",
                 "--max-lora-rank", str(rank), "--max-loras", str(self.max_loras),
                 "--max-cpu-loras", str(self.max_loras), "--max-logprobs", str(MAX_LOGPROBS),
-                "--disable-uvicorn-access-log", "--disable-log-stats", *self.extra_args]
+                "--disable-uvicorn-access-log", *self.extra_args]
 
     def environment(self, api_key: str) -> dict[str, str]:
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1",
