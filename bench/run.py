@@ -8,7 +8,7 @@
 Benchmarks: overhead, sharing, memory, sampling, latency, scaling, fairness, soak, hostile, cluster, general, busy
 (see each module's docstring), and peers (`--only peers`, `make bench-peers`: against SkyRL tx through the official
 SDK; needs SkyRL set up).
-vllm (`--only vllm`, about 15 minutes; bench/vllm_sampling.py) compares Whitney's sampler with a vLLM sampler replica;
+vllm (`--only vllm`, about 40 minutes; bench/vllm_sampling.py) compares Whitney's sampler with a vLLM sampler replica;
 needs .venv-vllm (`make vllm-env`).
 Issue 15's tenants and capacity (`--only tenants,capacity`, about 40 minutes) compare this tree with an earlier
 commit served side by side (`--baseline REF`, default the main before issue 15; bench/baseline.py).

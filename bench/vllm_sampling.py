@@ -1,8 +1,9 @@
 """vLLM sampler replicas against Whitney's own sampler, on SmolLM2-135M through `whitney serve` (float32).
 
-One server without replicas (Whitney's continuous-batching sampler serves samples), then, once it has stopped, one
-with a vLLM replica (`--samplers 1 --sampler-engine vllm`: the CPU build in .venv-vllm, `make vllm-env`), never
-both at once. On each, the same requests:
+One server without replicas (Whitney's continuous-batching sampler serves samples), then, each once the one before
+has stopped, two with a vLLM replica (`--samplers 1 --sampler-engine vllm`: the CPU build in .venv-vllm, `make
+vllm-env`): `vllm` as vLLM binds itself by default (one core kept for its scheduler process: one compute thread on
+2 cores), `vllm_all_cores` computing on every core as Whitney does (ENGINES). On each, the same requests:
 
   waves     N chat prompts sent at once through POST /v1/samples (temperature 1, seed i, stop=[]: exactly
             new_tokens each), on the base weights and on 8 runs' sampler versions (rank 32, one SFT step each,
@@ -18,7 +19,7 @@ both at once. On each, the same requests:
             package saved at the same moment (Whitney's sampler always serves a state checkpoint); base, the
             vLLM server's against the Whitney server's.
 
-    python -m bench --only vllm --no-report
+    python -m bench --only vllm --no-report      (about 40 minutes on 2 cores: vLLM's CPU build is the slow part)
 """
 
 from __future__ import annotations
