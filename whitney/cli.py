@@ -244,9 +244,9 @@ def add_backend_flags(serve: argparse.ArgumentParser) -> None:
                             "auto (0..1) or MIN..MAX: elastic, a replica starts when sampling is asked for and stops "
                             "after --sampler-idle-seconds idle (vLLM replicas)")
     group.add_argument("--sampler-engine", choices=[e.value for e in SamplerEngine], default="whitney",
-                       help="what the replicas run: whitney (exact: sampled log-probs equal compute_logprobs; "
-                            "--backend ray) or vllm (vLLM servers with each run's versions as LoRA adapters, beside "
-                            "either backend; close log-probs, faster on GPUs)")
+                       help="what the replicas run: whitney (exact: the trainer's model code, sampled log-probs "
+                            "are compute_logprobs' to float32 rounding; --backend ray) or vllm (vLLM servers with "
+                            "each run's versions as LoRA adapters, beside either backend; its own kernels, for GPUs)")
     group.add_argument("--vllm-python", default=None, metavar="PATH",
                        help="the Python of vLLM's environment (default: .venv-vllm, made by `make vllm-env`)")
     group.add_argument("--vllm-max-loras", type=int, default=SamplerReplicas.max_loras, metavar="N",

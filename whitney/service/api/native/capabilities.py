@@ -33,7 +33,7 @@ def capabilities(st: State) -> dict:
             "compute_threads": info.compute_threads,  # of the process that trains it (whitney serve --threads)
             "adaptable_modules": list(info.adaptable_modules),
             "vision": getattr(info, "vision", False),  # takes image chunks (limits: max_image_* below)
-            # What serves its samples: "whitney" (exact: sampled log-probs equal compute_logprobs), or "vllm"
+            # What serves its samples: "whitney" (exact: the trainer's model code), or "vllm"
             # (replicas; what vLLM cannot do exactly goes to Whitney's sampler, listed in exact_sampler_for).
             "sampler_engine": info.sampler_engine,
             "exact_sampler_for": [e.value for e in ExactOnly] if info.sampler_engine == "vllm" else [],
