@@ -91,14 +91,13 @@ def test_the_serve_flags():
         assert words in e.value.message, e.value.message
 
 
-def test_elastic_replicas_of_whitneys_own_sampler_are_refused_on_ray():
+def test_elastic_replicas_of_whitneys_own_sampler_on_ray_are_placed_by_their_bounds():
     from whitney.backends.ray.placement import placements
     from whitney.protocol.backend import BackendSpec
     from whitney.protocol.config import EngineConfig
 
-    with pytest.raises(InvalidInput) as e:
-        placements(BackendSpec(EngineConfig(), (("m", "m"),), samplers=SamplerReplicas(0, 1)))
-    assert e.value.field == "samplers" and "--sampler-engine vllm" in e.value.message
+    [p] = placements(BackendSpec(EngineConfig(), (("m", "m"),), samplers=SamplerReplicas(0, 2, idle_seconds=9.0)))
+    assert (p.samplers, p.max_samplers, p.sampler_idle_seconds) == (0, 2, 9.0)
 
 
 def test_an_adapter_of_moe_experts_stays_with_whitneys_sampler(tmp_path):

@@ -242,7 +242,7 @@ def add_backend_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--samplers", default="0", metavar="K|auto|MIN..MAX",
                        help="sampler replicas per base model serving sample (default 0: the trainer samples); "
                             "auto (0..1) or MIN..MAX: elastic, a replica starts when sampling is asked for and stops "
-                            "after --sampler-idle-seconds idle (vLLM replicas)")
+                            "after --sampler-idle-seconds idle")
     group.add_argument("--sampler-engine", choices=[e.value for e in SamplerEngine], default="whitney",
                        help="what the replicas run: whitney (exact: the trainer's model code, sampled log-probs "
                             "are compute_logprobs' to float32 rounding; --backend ray) or vllm (vLLM servers with "

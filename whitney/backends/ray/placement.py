@@ -17,7 +17,9 @@ class Placement:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (e.g. a node's label)
-    samplers: int = 0
+    samplers: int = 0  # replicas always running
+    max_samplers: int | None = None  # elastic: up to this many while samples are asked for (None: `samplers`)
+    sampler_idle_seconds: float = 300.0  # an elastic replica idle this long stops
     shards: int = 1  # the trainer's ranks: its base sharded over them (FSDP2), each rank these resources
 
     @staticmethod
@@ -50,9 +52,6 @@ def placements(spec: BackendSpec) -> list[Placement]:
     unknown = set(spec.worker_resources) - served
     if unknown:
         raise InvalidInput(f"worker resources name models not served: {sorted(unknown)}", field="worker_resources")
-    if spec.samplers.elastic:
-        raise InvalidInput("elastic replicas (--samplers auto or MIN..MAX) are vLLM's (--sampler-engine vllm); "
-                           "Whitney's own replicas on Ray are a fixed number: --samplers K", field="samplers")
     out = []
     for name, public in spec.models:
         given = dict(spec.worker_resources.get(name) or spec.worker_resources.get(public) or {})
@@ -62,5 +61,6 @@ def placements(spec: BackendSpec) -> list[Placement]:
             raise InvalidInput(f"worker resources of {public}: shards must be a whole number >= 1 (and equal gpus "
                                f"when gpus > 1), got shards {shards} with gpus {gpus}", field="worker_resources")
         out.append(Placement(name, public, num_cpus=cpus, num_gpus=gpus / shards if gpus > 1 else gpus,
-                             resources=given, samplers=spec.samplers.maximum, shards=int(shards)))
+                             resources=given, samplers=spec.samplers.minimum, max_samplers=spec.samplers.maximum,
+                             sampler_idle_seconds=spec.samplers.idle_seconds, shards=int(shards)))
     return out

@@ -192,6 +192,7 @@ class RayBackend(chat.TextMethods, LossMethods):
         """Runs lost with a trainer that died (the supervisor's), and runs a trainer lost itself: their
         paged-out state could not be read back (engine/memory/paging.py; asked at most once a second, and only
         when runs may be paged out)."""
+        self._sampling.stop_idle()  # elastic replicas idle long enough (asked here: the scheduler asks often)
         lost = self.supervisor.take_lost_runs()
         paging = self.config.page_idle_seconds is not None or self.config.max_resident_runs is not None
         if paging and time.monotonic() >= self._next_lost_check:

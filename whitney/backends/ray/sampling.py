@@ -10,6 +10,7 @@ replica of its model, or to the trainer when the model has none.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from whitney.backends.ray.calls import CancelSample, SampleSteps, SubmitSample, Warm
@@ -21,6 +22,7 @@ from whitney.protocol.backend import Failure, Weights, WorkerLost
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 
 SAMPLER_STEP_SECONDS = 0.05  # a replica decodes for this long per call (one step: the trainer, which trains too)
+BUSY = 32  # samples in flight on every replica before an elastic model starts one more
 
 
 class Sampling:
@@ -49,27 +51,57 @@ class Sampling:
 
     def worker(self, weights: Weights) -> tuple[Worker, Weights]:
         """The least busy usable replica of the weights' model, and the weights as it names them (a run's
-        version by its file); the trainer when the model has no replicas."""
+        version by its file); the trainer when the model has no replicas, or (elastic) none usable yet: Whitney's
+        sampler either way, the same numbers."""
         if weights.run_id is not None:
             model = self.supervisor.trainer_of_run(weights.run_id).model
-            if self.supervisor.samplers[model]:
-                with self._lock:
-                    path = self._versions.get((weights.run_id, weights.version))
-                if path is None:
-                    raise NotFound(f"run {weights.run_id!r} has no sampler version {weights.version}",
-                                   field="version")
-                weights = Weights(checkpoint_path=path)
         elif weights.checkpoint_path is not None:
             model = self.supervisor.model(read_manifest(weights.checkpoint_path)["base_model"])
         else:
             model = self.supervisor.model(weights.base_model)
             weights = replace(weights, base_model=model)
-        candidates = [w for w in self.supervisor.samplers[model] or [self.supervisor.trainers[model]]
-                      if self.supervisor.usable(w)]
+        replicas = self.supervisor.samplers[model]
+        candidates = [w for w in replicas if self.supervisor.usable(w)]
+        placement = self.supervisor.placements[model]
+        elastic = placement.max_samplers is not None and placement.max_samplers > placement.samplers
+        if elastic:
+            self._scale_up(model, replicas, candidates)
+        if not candidates and (elastic or not replicas):
+            candidates = [w for w in [self.supervisor.trainers[model]] if self.supervisor.usable(w)]
         if not candidates:
             raise Unavailable(f"every sampling worker of {model!r} is restarting after a failure; try again shortly",
                               field="base_model")
-        return min(candidates, key=lambda w: len(w.inflight)), weights
+        worker = min(candidates, key=lambda w: len(w.inflight))
+        with self._lock:
+            worker.idle_since = time.monotonic()  # not stopped as idle before its sample is in flight (stop_idle)
+        if worker.role == Role.SAMPLER and weights.run_id is not None:
+            with self._lock:
+                path = self._versions.get((weights.run_id, weights.version))
+            if path is None:
+                raise NotFound(f"run {weights.run_id!r} has no sampler version {weights.version}", field="version")
+            weights = Weights(checkpoint_path=path)
+        return worker, weights
+
+    def _scale_up(self, model: str, replicas: list[Worker], usable: list[Worker]) -> None:
+        """Elastic: one more replica when the model has none, or every usable one has BUSY samples in flight (and
+        none is starting), up to its maximum."""
+        starting = len(replicas) > len(usable)
+        if len(replicas) < self.supervisor.placements[model].max_samplers and not starting and (
+                not usable or all(len(w.inflight) >= BUSY for w in usable)):
+            self.supervisor.add_sampler(model)
+
+    def stop_idle(self) -> None:
+        """Elastic: stop each replica idle for its model's sampler_idle_seconds, down to the model's minimum."""
+        now = time.monotonic()
+        for model, replicas in self.supervisor.samplers.items():
+            placement = self.supervisor.placements[model]
+            with self._lock:  # a replica chosen for a sample meanwhile counts as busy since (worker())
+                for worker in list(replicas):
+                    if worker.inflight or worker.stepping is not None or worker.restarting is not None:
+                        worker.idle_since = now
+                    elif len(replicas) > placement.samplers and now - worker.idle_since >= \
+                            placement.sampler_idle_seconds:
+                        self.supervisor.remove_sampler(worker)
 
     def submit(self, request_id: str, prompt: list, params: SamplingParams, weights: Weights, stream: bool) -> None:
         worker, weights = self.worker(weights)

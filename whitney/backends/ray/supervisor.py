@@ -51,19 +51,15 @@ class Supervisor:
         self._names: dict[str, str] = {}  # every name a model goes by (served name, --model) -> served name
         self._run_model: dict[str, str] = {}
         self._lost: list[str] = []
-        actor = ray.remote(concurrency_groups={CHECKS: CHECK_THREADS})(ModelWorker)  # heavy calls beside the rest
-        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),  # every worker's, whoever started Ray
-               # glibc reads it as the process starts, before Ray's threads make arenas of their own (heap.py)
-               "MALLOC_ARENA_MAX": str(ARENAS)}
+        self.placements = {p.name: p for p in placements}
+        self._config = config
+        self._actor_class = ray.remote(concurrency_groups={CHECKS: CHECK_THREADS})(ModelWorker)  # heavy calls beside
         try:
             for p in placements:
-                options = p.actor_options(env)
                 self._names[p.model] = self._names[p.name] = p.name
-                self.trainers[p.name] = Worker([actor.options(**options).remote(config, p.model, p.name, rank,
-                                                                                p.shards)
-                                                for rank in range(p.shards)], p.name, Role.TRAINER)
-                self.samplers[p.name] = [Worker([actor.options(**options).remote(config, p.model, p.name)],
-                                                p.name, Role.SAMPLER) for _ in range(p.samplers)]
+                self.trainers[p.name] = Worker([self._actor(p, rank, p.shards) for rank in range(p.shards)], p.name,
+                                               Role.TRAINER)
+                self.samplers[p.name] = [Worker([self._actor(p)], p.name, Role.SAMPLER) for _ in range(p.samplers)]
             for worker in self.workers():
                 self._begin(worker)
             for worker in self.workers():
@@ -74,6 +70,28 @@ class Supervisor:
         except BaseException:
             self.close()
             raise
+
+    def _actor(self, p: Placement, rank: int = 0, shards: int = 1):
+        """A new actor of the model's: a rank of its trainer, or (rank 0 of 1) a sampler replica."""
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),  # every worker's, whoever started Ray
+               # glibc reads it as the process starts, before Ray's threads make arenas of their own (heap.py)
+               "MALLOC_ARENA_MAX": str(ARENAS)}
+        return self._actor_class.options(**p.actor_options(env)).remote(self._config, p.model, p.name, rank, shards)
+
+    def add_sampler(self, model: str) -> Worker:
+        """One more replica of the model (elastic): it starts as a restart does, never waited for here."""
+        worker = Worker([self._actor(self.placements[model])], model, Role.SAMPLER)
+        with self.lock:
+            self._begin(worker)
+            self.samplers[model].append(worker)
+        return worker
+
+    def remove_sampler(self, worker: Worker) -> None:
+        """Stop a replica (elastic, idle): its actor ends and Ray frees its resources."""
+        with self.lock:
+            self.samplers[worker.model].remove(worker)
+        for actor in worker.ranks:
+            self.ray.kill(actor, no_restart=True)
 
     def workers(self) -> list[Worker]:
         return [*self.trainers.values(), *(w for ws in self.samplers.values() for w in ws)]

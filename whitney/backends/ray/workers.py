@@ -3,6 +3,7 @@ whose base is sharded over several actors, which get every call (SPMD) and answe
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -31,6 +32,7 @@ class Worker:
     pinged_at: float = 0.0
     inflight: dict[str, int] = field(default_factory=dict)  # sample request id -> the generation it went to
     stepping: list | None = None  # an outstanding SampleSteps call (on every rank)
+    idle_since: float = field(default_factory=time.monotonic)  # a replica's last moment with samples (elastic)
 
     @property
     def pid(self) -> int:
