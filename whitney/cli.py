@@ -244,8 +244,8 @@ def add_backend_flags(serve: argparse.ArgumentParser) -> None:
                             "auto (0..1) or MIN..MAX: elastic, a replica starts when sampling is asked for and stops "
                             "after --sampler-idle-seconds idle")
     group.add_argument("--sampler-engine", choices=[e.value for e in SamplerEngine], default="whitney",
-                       help="what the replicas run: whitney (exact: the trainer's model code, sampled log-probs "
-                            "are compute_logprobs' to float32 rounding; --backend ray) or vllm (vLLM servers with "
+                       help="what the replicas run: whitney (the trainer's model code: in float32 sampled "
+                            "log-probs are compute_logprobs' up to rounding; --backend ray) or vllm (vLLM servers with "
                             "each run's versions as LoRA adapters, beside either backend; its own kernels, for GPUs)")
     group.add_argument("--vllm-python", default=None, metavar="PATH",
                        help="the Python of vLLM's environment (default: .venv-vllm, made by `make vllm-env`)")
