@@ -29,7 +29,7 @@ def test_an_elastic_replica_starts_on_the_first_sample_and_stops_when_idle(ray_c
         assert supervisor.samplers[model] == [], "training alone started a replica"
         first = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=10, temperature=0.0, stop=[])
         replica = until(lambda: supervisor.samplers[model] and supervisor.usable(supervisor.samplers[model][0])
-                        and supervisor.samplers[model][0], 120, "the replica to serve")
+                        and supervisor.samplers[model][0], 300, "the replica to serve")
         assert ray.available_resources()["node_b"] == free - 1, "the replica's actor holds node_b's resource"
         chosen = replica.idle_since
         second = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=10, temperature=0.0, stop=[])

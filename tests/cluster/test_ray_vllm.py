@@ -30,7 +30,8 @@ def test_an_elastic_vllm_replica_holds_its_node_resources_only_while_it_lives(ra
         train(run, 2)
         v = run.save_weights_for_sampler().result()["version"]
         assert pool.pids(model) == []
-        ours = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=10, temperature=0.0, stop=[])
+        ours = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=10, temperature=0.0, stop=[],
+                      timeout=600)  # a replica starts first
         assert pool.completed == 1 and pool.live(model) == 1
         assert isinstance(pool.models[model].replicas[0].server, RayHosted)
         assert ray.available_resources()["node_b"] == free - 1, "the replica's actor holds node_b's resource"

@@ -47,9 +47,12 @@ def train(run, steps: int, lr: float = 3e-2) -> None:
         run.optim_step(learning_rate=lr).result()
 
 
-def sample(http: httpx.Client, **body) -> dict:
+def sample(http: httpx.Client, timeout: float = 60.0, **body) -> dict:
+    """A sample's result (`timeout`: more for one that starts an elastic replica first)."""
     op = expect(http.post("/v1/samples", json=body), 202)
-    return succeeded(http, op["id"])
+    result = poll(http, op["id"], timeout=timeout)
+    assert result["status"] == "succeeded", result
+    return result["result"]
 
 
 def logprobs(http: httpx.Client, sequence: list[int], **weights) -> list[float]:
@@ -237,10 +240,12 @@ def test_elastic_replicas_start_on_the_first_sample_and_stop_when_idle(tmp_path,
         train(run, 2)  # training alone starts no replica
         v = run.save_weights_for_sampler().result()["version"]
         assert pool.pids(model) == []
-        first = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=8, temperature=0.0, stop=[])
+        first = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=8, temperature=0.0, stop=[],
+                       timeout=600)  # a replica starts first
         assert len(first["sequences"][0]["tokens"]) == 8 and pool.live(model) == 1
         until(lambda: pool.pids(model) == [], 60, "the idle replica to stop")
-        again = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=8, temperature=0.0, stop=[])
+        again = sample(http, run_id=run.id, version=v, prompt=PROMPT, max_tokens=8, temperature=0.0, stop=[],
+                       timeout=600)
         assert again["sequences"][0]["tokens"] == first["sequences"][0]["tokens"]
     finally:
         server.stop()
