@@ -286,7 +286,8 @@ class ReplicaPool:
 
     def step(self, wait: float = STEP_WAIT) -> list[tuple[str, SampleResult | Failure | SampleProgress]]:
         """The samples' progress and ends since the last step (waiting up to `wait` seconds for one when there
-        is none); replicas started, replaced and stopped as needed."""
+        is none). A sample whose replica died runs again (seeded) or ends `worker_lost` here; the watchdog
+        (`_watch`) starts, replaces and stops replicas."""
         with self._lock:
             if not self._flights:
                 return []
