@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch
 
 from whitney.engine import DEFAULT_MODEL
 from whitney.engine.families.model import cpu_bf16_matmul
+from whitney.ports import free_port
 
 
 def machine() -> dict:
@@ -107,12 +107,6 @@ def engine_datums(batch: list[dict]):
     from whitney.engine import Datum
 
     return [Datum(d["input"]["token_ids"], d["loss_inputs"]) for d in batch]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerExited(RuntimeError):

@@ -18,6 +18,7 @@ from whitney.backends.ray.calls import Call, Raised
 from whitney.engine.threads import ComputeThreads
 from whitney.errors import WhitneyError
 from whitney.priority import lower_this_thread
+from whitney.ports import free_port
 from whitney.protocol.backend import Failure, ModelInfo, WorkerLost
 from whitney.protocol.config import EngineConfig
 
@@ -71,14 +72,9 @@ class ModelWorker:
 
     def address(self) -> str:
         """Rank 0: where the ranks of a sharded trainer meet (this node, a free port)."""
-        import socket
-
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
 
     def join(self, init_method: str) -> tuple[ModelInfo | Raised | None, int, str]:
         """Form the process group with the other ranks, then load this rank's shard of the base."""

@@ -16,7 +16,6 @@ import math
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from whitney.errors import InvalidInput
+from whitney.ports import free_port
 
 # vLLM's CPU build reserves this much for its KV cache unless told (its default is most of the machine's memory).
 CPU_KV_CACHE_GIB = 2
@@ -100,12 +100,6 @@ def kv_cache_gib(model_dir: str, dtype: str, max_model_len: int) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_token = config["num_hidden_layers"] * 2 * heads * head_dim * (4 if dtype == "float32" else 2)
     return max(CPU_KV_CACHE_GIB, math.ceil(1.25 * per_token * max_model_len / 2**30))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import gc
 import pickle
 import queue
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -48,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from whitney.engine.families.decoder import BaseModel
+from whitney.ports import free_port
 from whitney.engine.families.model import load_base_model
 from whitney.engine.training import checkpoint as ckpt
 from whitney.engine.training.runs import Engine
@@ -156,12 +156,6 @@ def _broadcast(tensors: list[torch.Tensor]) -> None:
 # ---- launching ranks -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, n: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -188,7 +182,7 @@ def spawn_ranks(n: int, fn: Callable, *args, backend: str | None = None, timeout
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, n, port, backend, fn, args, results)) for rank in range(n)]
     for p in procs:
         p.start()
