@@ -73,7 +73,8 @@ class Replica:
     server: Server
     adapters: set[str] = field(default_factory=set)  # adapter names loaded on it
     flights: set[str] = field(default_factory=set)  # request ids in flight on it
-    ready: bool = False
+    ready: bool = False  # it has served (answered /health)
+    broken: bool = False  # a sample's connection to it broke: no samples until it answers again (the watchdog)
     idle_since: float = field(default_factory=time.monotonic)
 
 
@@ -85,7 +86,7 @@ class Flight:
     model: str
     prompt: list[int]
     params: SamplingParams
-    adapter: str | None
+    adapter: str  # a version's, or the model's zero adapter for its base (vllm/__init__.base_adapter)
     stream: bool
     replica: Replica | None = None
     task: object | None = None  # concurrent.futures.Future of its stream's coroutine
@@ -140,12 +141,38 @@ class ReplicaPool:
         serve (outside the lock), dead ones replaced, idle ones stopped."""
         while not self._closed.wait(READY_POLL):
             with self._lock:
-                starting = [r for m in self.models.values() for r in m.replicas if not r.ready]
-            serving = [r for r in starting if r.server.ready()]
+                replicas = [(name, r) for name, m in self.models.items() for r in m.replicas]
+            now = time.monotonic()  # each probe may be a call to a Ray actor: never under the lock
+            serving = [r for _, r in replicas if (not r.ready or r.broken) and r.server.ready()]
+            gone = [(name, r) for name, r in replicas
+                    if not r.server.alive() or (not r.ready and now - r.server.started_at > START_TIMEOUT)]
             with self._lock:
                 for replica in serving:
-                    replica.ready = True
+                    replica.ready, replica.broken = True, False
+                for name, replica in gone:
+                    self._replace(name, replica)
                 self._maintain()
+
+    def _replace(self, name: str, replica: Replica) -> None:
+        """A replica that died, or never came up: stopped and forgotten; its samples run again (seeded) or fail;
+        if it was the model's only one starting, the samples waiting for it fail. `_maintain` starts another as
+        the load asks."""
+        model = self.models[name]
+        if replica not in model.replicas:
+            return  # stopped meanwhile (idle)
+        model.replicas.remove(replica)
+        replica.server.stop()
+        for request_id in list(replica.flights):
+            flight = self._flights[request_id]
+            failure = self._lost(flight, f"exit code {replica.server.returncode}")
+            if failure is not None:
+                self._fail(flight, failure)
+        if not replica.ready and not any(not r.ready for r in model.replicas):
+            why = Failure.of(Unavailable(f"the vLLM replica of {name} did not start; the end of its log "
+                                         f"({replica.server.log_path}):\n{replica.server.log_tail(8)}",
+                                         field="base_model"))
+            while model.waiting:
+                self._fail(model.waiting.popleft(), why)
 
     # ---- the event loop's side ---------------------------------------------------------------
 
@@ -181,11 +208,9 @@ class ReplicaPool:
         Cancelling the task closes the connection, which aborts the request in vLLM."""
         answer = Answer.of(flight.params)
         try:
-            if flight.adapter is not None:
-                await self._load(replica, flight.adapter)
-            model = self.models[flight.model]
-            body = completion_body(flight.prompt, flight.params, flight.adapter or model.spec.served_name,
-                                   model.eos_token_ids)
+            await self._load(replica, flight.adapter)
+            eos = self.models[flight.model].eos_token_ids
+            body = completion_body(flight.prompt, flight.params, flight.adapter, eos)
             async with self._client.stream("POST", f"{replica.server.url}/v1/completions", json=body,
                                            headers=replica.server.headers) as response:
                 if response.status_code >= 500:  # its engine failed (it exits and is replaced)
@@ -225,7 +250,7 @@ class ReplicaPool:
         name = adapter_name(run_id, version)
         with self._lock:
             self._adapters[name] = path
-            ready = [r for r in self.models[model].replicas if r.ready]
+            ready = [r for r in self.models[model].replicas if r.ready and not r.broken]
         for replica in ready:
             try:
                 self._on_loop(self._load(replica, name))
@@ -263,8 +288,8 @@ class ReplicaPool:
             except (httpx.HTTPError, TimeoutError):
                 pass
 
-    def submit(self, request_id: str, model: str, prompt: list[int], params: SamplingParams,
-               adapter: str | None, stream: bool) -> None:
+    def submit(self, request_id: str, model: str, prompt: list[int], params: SamplingParams, adapter: str,
+               stream: bool) -> None:
         flight = Flight(request_id, model, flat(prompt), params, adapter, stream)
         with self._lock:
             self._flights[request_id] = flight
@@ -364,8 +389,11 @@ class ReplicaPool:
 
     def _lost(self, flight: Flight, reason: str) -> Failure | None:
         """A sample whose replica died: queued again when its seed makes it idempotent and it has retries left,
-        else its failure."""
+        else its failure. The replica takes no more samples until the watchdog finds it serving again (or
+        replaces it)."""
         replica = flight.replica
+        if replica is not None:
+            replica.broken = True
         self._leave(flight)
         flight.attempt += 1
         if flight.params.seed is not None and flight.attempt <= RETRIES:
@@ -379,28 +407,12 @@ class ReplicaPool:
         self._out.put((flight.request_id, flight.attempt, failure))
 
     def _maintain(self) -> None:
-        """Replace dead replicas, start and stop replicas as the load asks, dispatch queued samples; a sample
-        that cannot run ends at the next step."""
+        """Start and stop replicas as the load asks and dispatch queued samples (no probe of a server: the
+        watchdog's, so a submit asks no replica anything)."""
         now = time.monotonic()
         for name, model in self.models.items():
-            for replica in list(model.replicas):
-                if replica.server.alive() and (replica.ready or now - replica.server.started_at < START_TIMEOUT):
-                    continue
-                model.replicas.remove(replica)  # it died, or never came up
-                replica.server.stop()
-                for request_id in list(replica.flights):
-                    flight = self._flights[request_id]
-                    failure = self._lost(flight, f"exit code {replica.server.returncode}")
-                    if failure is not None:
-                        self._fail(flight, failure)
-                if not replica.ready and not any(not r.ready for r in model.replicas):
-                    why = Failure.of(Unavailable(f"the vLLM replica of {name} did not start; the end of its log "
-                                                 f"({replica.server.log_path}):\n{replica.server.log_tail(8)}",
-                                                 field="base_model"))
-                    while model.waiting:
-                        self._fail(model.waiting.popleft(), why)
             starting = any(not r.ready for r in model.replicas)
-            ready = [r for r in model.replicas if r.ready]
+            ready = [r for r in model.replicas if r.ready and not r.broken]
             if len(model.replicas) < self.settings.maximum and not starting and (
                     len(model.replicas) < self.settings.minimum or (model.waiting and not ready)
                     or (ready and all(len(r.flights) >= BUSY for r in ready))):
