@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from whitney.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, WhitneyError
 from whitney.protocol.config import EngineConfig
@@ -172,6 +172,8 @@ class ExactOnly(StrEnum):
 class SamplerReplicas:
     """Each base model's sampler replicas: between `minimum` and `maximum` of them (elastic when they differ: one
     starts when a sample finds none, or all busy, and one idle for `idle_seconds` stops), run by `engine`."""
+
+    BUSY: ClassVar[int] = 32  # samples in flight on every replica before an elastic model starts one more
 
     minimum: int = 0
     maximum: int = 0

@@ -18,11 +18,10 @@ from whitney.backends.ray.supervisor import Supervisor
 from whitney.backends.ray.workers import Role, Worker
 from whitney.engine.training.checkpoint import read_manifest
 from whitney.errors import NotFound, Unavailable
-from whitney.protocol.backend import Failure, Weights, WorkerLost
+from whitney.protocol.backend import Failure, SamplerReplicas, Weights, WorkerLost
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 
 SAMPLER_STEP_SECONDS = 0.05  # a replica decodes for this long per call (one step: the trainer, which trains too)
-BUSY = 32  # samples in flight on every replica before an elastic model starts one more
 
 
 class Sampling:
@@ -83,11 +82,11 @@ class Sampling:
         return worker, weights
 
     def _scale_up(self, model: str, replicas: list[Worker], usable: list[Worker]) -> None:
-        """Elastic: one more replica when the model has none, or every usable one has BUSY samples in flight (and
-        none is starting), up to its maximum."""
+        """Elastic: one more replica when the model has none, or every usable one has SamplerReplicas.BUSY samples
+        in flight (and none is starting), up to its maximum."""
         starting = len(replicas) > len(usable)
         if len(replicas) < self.supervisor.placements[model].max_samplers and not starting and (
-                not usable or all(len(w.inflight) >= BUSY for w in usable)):
+                not usable or all(len(w.inflight) >= SamplerReplicas.BUSY for w in usable)):
             self.supervisor.add_sampler(model)
 
     def stop_idle(self) -> None:

@@ -9,8 +9,8 @@ adapters; the samples in flight on them. Torch-free: it speaks HTTP to vLLM serv
   and as many more in host memory, least recently used first out, and reloads one from its directory when a
   sample names it again: a sample never sees which.
 - Elastic (`SamplerReplicas.elastic`): a sample that finds no replica starts one (samples wait in the model's
-  queue meanwhile); one more starts while every replica has `BUSY` samples in flight, up to `maximum`; a replica
-  idle for `idle_seconds` stops, down to `minimum`. A training-only server never starts one.
+  queue meanwhile); one more starts while every replica has `SamplerReplicas.BUSY` samples in flight, up to
+  `maximum`; a replica idle for `idle_seconds` stops, down to `minimum`. A training-only server never starts one.
 - Faults: a replica whose process exits fails its samples with `worker_lost`, except a sample with a seed, which
   is idempotent and runs again on another replica (or the replacement, which starts at once), at most RETRIES times.
 """
@@ -38,7 +38,6 @@ from whitney.protocol.backend import Failure, SamplerReplicas, WorkerLost
 from whitney.protocol.sampling import SampleProgress, SampleResult, SamplingParams
 
 STEP_WAIT = 0.05  # step() waits at most this long for an answer when none is there
-BUSY = 32  # samples in flight on every replica before an elastic model starts one more
 RETRIES = 2  # times a seeded sample runs again after its replica died
 START_TIMEOUT = 900.0  # seconds a replica may take to serve (vLLM's first start compiles its kernels)
 READY_POLL = 1.0  # seconds between readiness checks of a starting replica
@@ -415,7 +414,7 @@ class ReplicaPool:
             ready = [r for r in model.replicas if r.ready and not r.broken]
             if len(model.replicas) < self.settings.maximum and not starting and (
                     len(model.replicas) < self.settings.minimum or (model.waiting and not ready)
-                    or (ready and all(len(r.flights) >= BUSY for r in ready))):
+                    or (ready and all(len(r.flights) >= SamplerReplicas.BUSY for r in ready))):
                 self._start(name, model)
             while model.waiting and ready:
                 flight = model.waiting.popleft()
