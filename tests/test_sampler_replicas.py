@@ -60,7 +60,8 @@ def test_streamed_chunks_as_progress_and_result():
     answer = Answer.of(SamplingParams(num_samples=2, top_logprobs=1))
     answer.add(chunk(1, [5], [-0.5], [{5: -0.5, 6: -0.25}]))
     first = answer.progress()
-    assert isinstance(first, SampleProgress) and first.tokens == [[], [5]] and first.top_logprobs == [[], [[(6, -0.25)]]]
+    assert isinstance(first, SampleProgress) and first.tokens == [[], [5]]
+    assert first.top_logprobs == [[], [[(6, -0.25)]]]
     assert answer.progress() is None
     answer.add(chunk(0, [7, 2], [-1.0, -2.0], [{7: -1.0}, {2: -2.0, 3: -0.5}], finish="stop"))
     answer.add(chunk(1, [9], [-0.1], [{9: -0.1}], finish="length"))
@@ -85,7 +86,13 @@ def test_the_serve_flags():
     assert config("--backend", "ray", "--samplers", "2")["samplers"] == SamplerReplicas(2, 2)
     assert config()["samplers"] == SamplerReplicas()
     for flags, words in ((("--samplers", "1"), "--backend ray"), (("--samplers", "1..x"), "MIN..MAX"),
-                         (("--samplers", "1", "--sampler-engine", "vllm", "--vllm-max-loras", "0"), "max-loras")):
+                         (("--samplers", "1", "--sampler-engine", "vllm", "--vllm-max-loras", "0"), "max-loras"),
+                         # a setting nothing would read is refused, never ignored
+                         (("--sampler-engine", "vllm"), "needs replicas"),
+                         (("--backend", "ray", "--samplers", "1", "--vllm-max-loras", "4"), "--vllm-max-loras"),
+                         (("--backend", "ray", "--vllm-args=--seed 1"), "--vllm-args"),
+                         (("--samplers", "2", "--sampler-engine", "vllm", "--sampler-idle-seconds", "9"),
+                          "elastic")):
         with pytest.raises(InvalidInput) as e:
             config(*flags)
         assert words in e.value.message, e.value.message

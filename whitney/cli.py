@@ -249,17 +249,17 @@ def add_backend_flags(serve: argparse.ArgumentParser) -> None:
                             "each run's versions as LoRA adapters, beside either backend; its own kernels, for GPUs)")
     group.add_argument("--vllm-python", default=None, metavar="PATH",
                        help="the Python of vLLM's environment (default: .venv-vllm, made by `make vllm-env`)")
-    group.add_argument("--vllm-max-loras", type=int, default=SamplerReplicas.max_loras, metavar="N",
+    group.add_argument("--vllm-max-loras", type=int, default=None, metavar="N",
                        help="adapters a vLLM replica holds on its device at once; more are reloaded from their "
                             f"files on demand (default {SamplerReplicas.max_loras})")
-    group.add_argument("--vllm-max-model-len", type=int, default=SamplerReplicas.max_model_len, metavar="N",
+    group.add_argument("--vllm-max-model-len", type=int, default=None, metavar="N",
                        help="the longest prompt plus max_tokens a vLLM replica serves (at most the model's context; "
-                            "longer samples go to Whitney's sampler; default %(default)s)")
-    group.add_argument("--vllm-args", default="", metavar="'ARGS'",
+                            f"longer samples go to Whitney's sampler; default {SamplerReplicas.max_model_len})")
+    group.add_argument("--vllm-args", default=None, metavar="'ARGS'",
                        help="more arguments for every vLLM server, e.g. '--gpu-memory-utilization 0.4' beside a "
                             "trainer on the same GPU")
-    group.add_argument("--sampler-idle-seconds", type=float, default=SamplerReplicas.idle_seconds, metavar="S",
-                       help="an elastic replica idle this long stops (default %(default)s)")
+    group.add_argument("--sampler-idle-seconds", type=float, default=None, metavar="S",
+                       help=f"an elastic replica idle this long stops (default {SamplerReplicas.idle_seconds})")
     group.add_argument("--worker-resources", action="append", default=[], metavar="MODEL=cpus:N,gpus:N,RES:N",
                        help="ray: resources of each worker of MODEL (as given to --model or its served name); "
                             "gpus:N with N > 1 or shards:N: the trainer shards the base over N ranks (FSDP2), one "
@@ -271,15 +271,27 @@ def backend_config(args) -> dict:
     """ServiceConfig's backend fields from the flags (InvalidInput naming the flag's rule)."""
     from whitney.errors import InvalidInput
 
-    samplers = SamplerReplicas.parse(args.samplers, engine=SamplerEngine(args.sampler_engine),
-                                     vllm_python=args.vllm_python, idle_seconds=args.sampler_idle_seconds,
-                                     max_loras=args.vllm_max_loras, max_model_len=args.vllm_max_model_len,
-                                     vllm_args=tuple(shlex.split(args.vllm_args)))
+    # SamplerReplicas' field -> (its flag, the value given or None): unset flags keep the field's default.
+    settings = {"max_loras": ("--vllm-max-loras", args.vllm_max_loras),
+                "max_model_len": ("--vllm-max-model-len", args.vllm_max_model_len),
+                "vllm_python": ("--vllm-python", args.vllm_python),
+                "vllm_args": ("--vllm-args", None if args.vllm_args is None else tuple(shlex.split(args.vllm_args))),
+                "idle_seconds": ("--sampler-idle-seconds", args.sampler_idle_seconds)}
+    given = {field: value for field, (_, value) in settings.items() if value is not None}
+    samplers = SamplerReplicas.parse(args.samplers, engine=SamplerEngine(args.sampler_engine), **given)
+    # Each setting is refused where nothing would read it, never ignored.
+    if samplers.engine == SamplerEngine.VLLM and samplers.maximum == 0:
+        raise InvalidInput("--sampler-engine vllm needs replicas: --samplers K, auto or MIN..MAX")
+    unread = sorted(settings[f][0] for f in given if f != "idle_seconds")
+    if samplers.engine != SamplerEngine.VLLM and unread:
+        raise InvalidInput(f"{', '.join(unread)} set vLLM replicas: they need --sampler-engine vllm")
+    if "idle_seconds" in given and not samplers.elastic:
+        raise InvalidInput("--sampler-idle-seconds stops elastic replicas: it needs --samplers auto or MIN..MAX")
     whitney_replicas = samplers.maximum > 0 and samplers.engine == SamplerEngine.WHITNEY
     if args.backend != "ray" and (args.ray_address or whitney_replicas or args.worker_resources):
         raise InvalidInput("--ray-address, --worker-resources and --samplers of Whitney's own sampler need "
                            "--backend ray (vLLM replicas, --sampler-engine vllm, run beside either backend)")
-    if args.vllm_max_loras < 1 or args.vllm_max_model_len < 1 or args.sampler_idle_seconds <= 0:
+    if samplers.max_loras < 1 or samplers.max_model_len < 1 or samplers.idle_seconds <= 0:
         raise InvalidInput("--vllm-max-loras and --vllm-max-model-len must be >= 1 and --sampler-idle-seconds > 0")
     resources = {}
     for spec in args.worker_resources:
