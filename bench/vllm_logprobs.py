@@ -19,28 +19,19 @@ import json
 import tempfile
 from pathlib import Path
 
+from bench.common import start_server
+from bench.vllm_sampling import op
 from whitney import Client
 from whitney.datums import sft_datum
-from whitney.protocol.backend import SamplerEngine, SamplerReplicas
-from whitney.protocol.config import DEFAULT_MODEL, EngineConfig
-from whitney.service.app import ServiceConfig
+from whitney.protocol.config import DEFAULT_MODEL
 
 SAMPLES, TOKENS, GREEDY_TOKENS = 8, 64, 32
 PROMPTS = [[1, 523, 1077, 2889, 30, 905 + 7 * i] for i in range(SAMPLES)]
 
 
-def post(http, path: str, body: dict) -> dict:
-    from whitney.client import OperationFuture
-
-    return OperationFuture(http, http.request("POST", path, json=body)).result()
-
-
-def measure(model: str, dtype: str, data_dir: Path) -> dict:
-    from tests.service.conftest import start_server
-
-    config = ServiceConfig(models=[model], data_dir=data_dir, samplers=SamplerReplicas(1, 1, SamplerEngine.VLLM),
-                           engine=EngineConfig(compute_dtype=dtype, max_lora_rank=16))
-    server = start_server(config)
+def measure(model: str, dtype: str) -> dict:
+    server = start_server("--dtype", dtype, "--max-lora-rank", "16", "--samplers", "1", "--sampler-engine", "vllm",
+                          model=model, timeout=900)
     try:
         client = Client(server.url, timeout=600)
         run = client.create_session().create_run(rank=16, alpha=32.0, seed=1)
@@ -54,14 +45,14 @@ def measure(model: str, dtype: str, data_dir: Path) -> dict:
                 body = {"prompt": prompt, **weights, "max_tokens": TOKENS, "seed": i, "stop": []}
                 for sampler, into in (({}, gaps), ({"target_prompt_logprobs": [[0]] * (len(prompt) - 1)},
                                                    whitney_gaps)):  # vLLM's, then Whitney's own sampler's
-                    seq = post(client, "/v1/samples", {**body, **sampler})["sequences"][0]
-                    exact = post(client, "/v1/logprobs", {"sequences": [prompt + seq["tokens"]], **weights})
+                    seq = op(client, "/v1/samples", {**body, **sampler})["sequences"][0]
+                    exact = op(client, "/v1/logprobs", {"sequences": [prompt + seq["tokens"]], **weights})
                     into += [abs(a - b) for a, b in zip(seq["logprobs"], exact["logprobs"][0][len(prompt):])]
             equal, prefix = 0, 0.0
             for prompt in PROMPTS:
                 body = {"prompt": prompt, **weights, "max_tokens": GREEDY_TOKENS, "temperature": 0.0, "stop": []}
-                ours = post(client, "/v1/samples", body)["sequences"][0]["tokens"]
-                theirs = post(client, "/v1/samples", {**body, "target_prompt_logprobs": [[0]] * (len(prompt) - 1)}
+                ours = op(client, "/v1/samples", body)["sequences"][0]["tokens"]
+                theirs = op(client, "/v1/samples", {**body, "target_prompt_logprobs": [[0]] * (len(prompt) - 1)}
                               )["sequences"][0]["tokens"]
                 equal += ours == theirs
                 prefix += next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours)) / len(ours)
@@ -81,7 +72,7 @@ def main() -> None:
     results = {}
     for name, model in (("tiny Llama (heads of 32)", tiny), ("SmolLM2-135M", DEFAULT_MODEL)):
         for dtype in ("float32", "bfloat16"):
-            results[f"{name}, {dtype}"] = row = measure(model, dtype, work / f"data-{len(results)}")
+            results[f"{name}, {dtype}"] = row = measure(model, dtype)
             print(f"{name}, {dtype}: {json.dumps(row)}", flush=True)
     out = Path(__file__).parent / "results" / "vllm_logprobs.json"
     out.write_text(json.dumps({"samples": SAMPLES, "tokens": TOKENS, "greedy_tokens": GREEDY_TOKENS,
