@@ -40,6 +40,10 @@ HEAVY = {
     "console": "the web console in Chromium, driven by Playwright while a run trains",
     "vllm": "vLLM servers (the CPU build, .venv-vllm) as sampler replicas",
     "engine/test_sharded.py": "two gloo ranks in processes of their own",
+    "engine/test_data_parallel.py::test_fast_path_mixed_runs_opsd_and_a_custom_graph_equal_unsharded": "two gloo "
+    "ranks in processes of their own",
+    "engine/test_data_parallel.py::test_general_path_and_moe_equal_unsharded": "two gloo ranks, twice",
+    "engine/test_data_parallel.py::test_vision_family_with_image_rows_equals_unsharded": "two gloo ranks",
     "engine/test_vision_ray.py": "a local Ray cluster",
     "service/test_fuzz.py": "schemathesis over every route",
     "test_seed_command.py": "the seed's script end to end",

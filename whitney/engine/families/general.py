@@ -221,14 +221,19 @@ class GeneralModel(BaseModel):
         return [n for n, _ in self.hf.named_modules()]  # a multimodal checkpoint's vision tower's too
 
     def shard(self, shard: Callable[[torch.nn.Module], None], device: torch.device) -> GeneralModel:
-        """This model (loaded on the CPU) with each of its decoder layers sharded by `shard`, then the decoder
-        stack (their root, whose forward runs them all; its own embedding and final norm are sharded with it and
-        gathered for its forward), and the unembedding on `device`. The model's own modules run as ever: a
-        sharding wrapper gathers a layer's weights around its forward and its backward."""
+        """This model (loaded on the CPU) with each of its decoder layers, and its embedding, sharded by `shard`
+        (units of their own: no root unit over the stack, so a multimodal module that embeds the tokens itself
+        gathers in the order the stack does) and the rest of the stack (final norm, rotary tables) and the
+        unembedding on `device`. The model's own modules run as ever: a sharding wrapper gathers a unit's weights
+        around its forward and its backward."""
         stack = self.decoder_stack
+        embedding = stack.get_input_embeddings()
         for layer in stack.layers:
             shard(layer)
-        shard(stack)
+        shard(embedding)
+        for child in stack.children():
+            if child is not stack.layers and child is not embedding:
+                child.to(device)
         head = self.hf.get_output_embeddings().to(device)  # never run (BaseModel.unembed uses its weight)
         return replace(self, embed=self.embed.to(device), lm_head=head.weight.detach())
 

@@ -183,8 +183,12 @@ class Engine:
                                 else self.load_model(request.base_model or DEFAULT_MODEL)).name,
                                []).append((i, prepared))
         for name, items in by_base.items():
-            # Rows of one adapter stay contiguous: one LoRA matmul per adapter per projection.
-            items.sort(key=lambda x: id(x[1].adapter))
+            # Rows of one adapter stay contiguous (one LoRA matmul per adapter per projection), adapters in the
+            # order the requests first name them: the same order in every process (the ranks of a sharded engine).
+            first: dict[int, int] = {}
+            for _, p in items:
+                first.setdefault(id(p.adapter), len(first))
+            items.sort(key=lambda x: first[id(x[1].adapter)])
             base = self.models[name]
             for part in self._passes(base, [p for _, p in items], backward):
                 results = self._compute(base, [items[j][1] for j in part], backward)
@@ -197,8 +201,12 @@ class Engine:
         keeps none, so it runs as one."""
         if not backward:
             return [list(range(len(items)))]
-        budget = self.max_pass_mib * 2**20 // activation_bytes_per_token(base.config, base.compute_dtype)
-        return plan_passes([(len(it.datums), max(d.length for d in it.datums)) for it in items], budget)
+        return plan_passes([(len(it.datums), max(d.length for d in it.datums)) for it in items],
+                           self._pass_budget(base))
+
+    def _pass_budget(self, base: BaseModel) -> int:
+        """The padded tokens of one training pass whose kept activations fit max_pass_mib (passes.py)."""
+        return self.max_pass_mib * 2**20 // activation_bytes_per_token(base.config, base.compute_dtype)
 
     def validate(self, request: ForwardRequest, backward: bool) -> Checked:
         """Check a request without running it (safe from another thread: it reads the run's base model only,
@@ -241,6 +249,7 @@ class Engine:
         run = self.get_run(run_id)
         hp = params if isinstance(params, AdamParams) else AdamParams.from_dict(params or {})
         hp.validate()
+        self._sum_gradients([run])
         try:
             return optim_step(run.weights(), run.grads, run.optimizer, hp)
         except NonFiniteGradient as e:
@@ -252,16 +261,12 @@ class Engine:
         (unknown run, bad parameters, a gradient that is not finite, a run whose paged-out state was lost) gets
         its error alone."""
         out: list = [None] * len(steps)
-        own_step = type(self).optim_step is not Engine.optim_step  # a subclass's own (sharded: broadcasts first)
         for part in self.pager.budget_parts([run_id for run_id, _ in steps]):
             batch, where, seen = [], [], set()
             with self.pager.pinning({steps[i][0] for i in part}):
                 for i in part:
                     run_id, params = steps[i]
                     try:
-                        if own_step:
-                            out[i] = self.optim_step(run_id, params)
-                            continue
                         if run_id in seen:
                             raise Conflict(f"run {run_id!r} has two optim_steps in one call", field="run_id")
                         run = self.get_run(run_id)  # pages the run in (paging.py)
@@ -273,9 +278,14 @@ class Engine:
                     seen.add(run_id)
                     batch.append(step)
                     where.append(i)
+                self._sum_gradients([self.runs[steps[i][0]] for i in where])
                 for i, metrics in zip(where, optim_steps(batch)):
                     out[i] = metrics.of_run(steps[i][0]) if isinstance(metrics, NonFiniteGradient) else metrics
         return out
+
+    def _sum_gradients(self, runs: list[Run]) -> None:
+        """Make each run's accumulator its whole gradient, right before its optim_step: a no-op in one process; a
+        data-parallel engine sums its ranks' shares (engine/training/sharded.py)."""
 
     # ---- log-probs of given sequences ----------------------------------------------------
 

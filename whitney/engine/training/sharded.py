@@ -1,24 +1,22 @@
-"""Base models bigger than one device: the decoder layers sharded over the ranks of a process group (FSDP2).
+"""Base models bigger than one device, and training faster with more ranks: the decoder layers sharded over the
+ranks of a process group (FSDP2), each pass's rows split over them (data parallelism).
 
-`ShardedEngine` is the `Engine` of one rank. Every rank of the group makes the same calls in the same
-order (SPMD: whatever drives the worker sends each call to every rank) and gets the same results.
+`ShardedEngine` is the `Engine` of one rank. Every rank of the group makes the same calls in the same order
+(SPMD: whatever drives the worker sends each call to every rank) and gets the same results.
 
 Sharded (`Decoder.shard`, families/): each decoder layer's frozen weights live in a module (a fast family's
 layer weights as parameters without gradients, `transformer.LayerStack`) wrapped by FSDP2
-(`torch.distributed.fsdp.fully_shard`, one unit per layer, then their root), so at rest a rank holds 1/N of every
-layer weight (dim 0). Each layer runs through its module's `__call__`: FSDP2's hooks all-gather the layer's
-weights before its forward and again before its backward, and free them after each.
+(`torch.distributed.fsdp.fully_shard`, one unit per layer), so at rest a rank holds 1/N of every layer weight
+(dim 0). Each layer runs through its module's `__call__`: FSDP2's hooks all-gather the layer's weights before its
+forward and again before its backward, and free them after each.
 Replicated on every rank: the embedding, final norm and unembedding (a small share of a large model; a
-general-path model's decoder stack is the root unit, its embedding and norm gathered for its forward), and
-each run's LoRA weights, gradients and AdamW moments (r * (in + out) per module).
+general-path model's embedding is a unit of its own, gathered for its forward), and each run's LoRA weights and
+AdamW moments (r * (in + out) per module).
 
-Every rank computes the whole batch; rows are not split across ranks. FSDP2's all-gathers are
-collectives, so every rank must run every layer forward and backward the same number of times: with
-rows split, a rank holding no row of some run, no opsd teacher row or no layer adapter would skip a pass
-and the group would hang. Whole batches keep that true by construction and give exactly the unsharded
-engine's numbers (the same kernels on the same gathered weights); the price is N times the compute (data
-parallelism is future work). Before each optim_step the run's gradient is broadcast from rank 0, so ranks
-cannot drift apart where kernels are not bitwise deterministic (CUDA); on the CPU it changes nothing.
+Data parallel (data_parallel.py): each rank runs its share of a pass's datums (whole, balanced by tokens), the
+values every loss reads are all-gathered so each rank applies every loss to the whole request, and each rank
+keeps its share of the gradients until an optim_step sums them over the ranks (one all-reduce). N ranks do 1/N of
+a pass's compute each, and the results equal the unsharded engine's to float32 rounding.
 
 Checkpoints (`save_sharded_state`, `load_sharded_state`): each rank writes its shards of the adapter and AdamW
 moments, read back onto any number of ranks or into one process (sharded_checkpoint.py).
@@ -50,11 +48,14 @@ from whitney.engine.families.decoder import BaseModel
 from whitney.ports import free_port
 from whitney.engine.families.model import load_base_model
 from whitney.engine.training import checkpoint as ckpt
+from whitney.engine.training.batch import Prepared
+from whitney.engine.training.data_parallel import compute_split_pass, sum_gradients
+from whitney.engine.training.run import Run
 from whitney.engine.training.runs import Engine
 from whitney.engine.training.sharded_checkpoint import from_rank0, load_sharded_run, save_sharded_run
-from whitney.errors import InvalidInput
+from whitney.errors import InvalidInput, WhitneyError
 from whitney.protocol.config import DEFAULT_MODEL, usable_cpus
-from whitney.protocol.training import AdamParams
+from whitney.protocol.training import ForwardResult
 
 
 # ---- the sharded base ----------------------------------------------------------------------
@@ -63,17 +64,21 @@ from whitney.protocol.training import AdamParams
 def shard_base(base: BaseModel, mesh: DeviceMesh, device: torch.device) -> BaseModel:
     """`base` (loaded on the CPU) with its decoder layers sharded over `mesh` by FSDP2 (one unit per layer, then
     their root) and the rest on `device` (`Decoder.shard`)."""
-    return base.shard(lambda module: fully_shard(module, mesh=mesh), device)
+    # Every unit frees its gathered weights after its forward, a unit without a parent unit too (FSDP2 would keep a
+    # root's for the backward: the general path's units have no root over them, families/general.py).
+    return base.shard(lambda module: fully_shard(module, mesh=mesh, reshard_after_forward=True), device)
 
 
 # ---- the engine of one rank ----------------------------------------------------------------
 
 
 class ShardedEngine(Engine):
-    """The Engine of one rank of the default process group; its base models are sharded over every rank.
+    """The Engine of one rank of the default process group; its base models are sharded over every rank, and each
+    pass's rows split over them.
 
     gloo: the CPU. NCCL: the rank's current CUDA device (spawn_ranks sets it). Every rank makes the same
-    calls in the same order; results, LoRA weights and optimizer state are equal on every rank.
+    calls in the same order; results, LoRA weights and optimizer state are equal on every rank (gradients: each
+    rank holds its share until an optim_step sums them).
     """
 
     def __init__(self, device: str | torch.device | None = None, **engine_kwargs):
@@ -98,10 +103,17 @@ class ShardedEngine(Engine):
             gc.collect()  # the loaded Hugging Face model sits in reference cycles that hold the whole weights
         return self.models[name]
 
-    def optim_step(self, run_id: str, params: AdamParams | dict | None = None) -> dict[str, float]:
-        """Engine.optim_step from rank 0's gradient (equal to every rank's where kernels are deterministic)."""
-        _broadcast(list(self.get_run(run_id).grads.values()))
-        return super().optim_step(run_id, params)
+    def _compute(self, base: BaseModel, items: list[Prepared], backward: bool) -> list[ForwardResult | WhitneyError]:
+        """One pass, its rows split over the ranks (data_parallel.py)."""
+        return compute_split_pass(base, items, backward)
+
+    def _pass_budget(self, base: BaseModel) -> int:
+        """Engine._pass_budget for the whole group: each rank keeps the activations of about 1/N of a pass."""
+        return super()._pass_budget(base) * self.world_size
+
+    def _sum_gradients(self, runs: list[Run]) -> None:
+        """Every rank's share of the runs' gradients summed, on every rank (data_parallel.py)."""
+        sum_gradients(runs)
 
     def save_state(self, run_id: str, path: str, include_optimizer: bool = True) -> dict:
         """A sharded checkpoint (sharded_checkpoint.py); every rank calls it."""
@@ -140,17 +152,6 @@ def load_sharded_state(engine: Engine, run_id: str, path: str | Path, with_optim
     an unsharded Engine in one process."""
     mesh = engine.mesh if isinstance(engine, ShardedEngine) else None
     load_sharded_run(engine.get_run(run_id), path, with_optimizer, mesh)
-
-
-def _broadcast(tensors: list[torch.Tensor]) -> None:
-    """Overwrite `tensors` with rank 0's values: one collective over a flat copy."""
-    if not tensors or dist.get_world_size() == 1:
-        return
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    dist.broadcast(flat, src=0)
-    with torch.no_grad():
-        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.copy_(part.view_as(t))
 
 
 # ---- launching ranks -----------------------------------------------------------------------
