@@ -157,11 +157,12 @@ def load_sharded_state(engine: Engine, run_id: str, path: str | Path, with_optim
 # ---- launching ranks -----------------------------------------------------------------------
 
 
-def _rank_main(rank: int, n: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
+def _rank_main(rank: int, n: int, port: int, backend: str, threads: int | None, fn: Callable, args: tuple,
+               results) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    else:  # n ranks share the CPU's cores
-        torch.set_num_threads(max(1, usable_cpus() // n))
+    # n ranks share the CPU's cores, unless told how many threads each computes with
+    torch.set_num_threads(threads or max(1, usable_cpus() // n))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     try:
         # Pickled here, by value: a tensor put on the queue as is would be shared through a file
@@ -173,18 +174,21 @@ def _rank_main(rank: int, n: int, port: int, backend: str, fn: Callable, args: t
         dist.destroy_process_group()
 
 
-def spawn_ranks(n: int, fn: Callable, *args, backend: str | None = None, timeout: float = 600.0) -> list:
+def spawn_ranks(n: int, fn: Callable, *args, backend: str | None = None, timeout: float = 600.0,
+                threads: int | None = None) -> list:
     """Run fn(*args) in n new processes forming one process group; return each rank's result, in rank order.
 
     backend: "gloo" (the CPU) or "nccl" (one CUDA device per rank; untested here); default NCCL when
-    CUDA is present. fn and its results must pickle (fn a module-level function). A rank that raises,
+    CUDA is present. threads: each rank's compute threads (default: the usable CPUs shared out). fn and its
+    results must pickle (fn a module-level function). A rank that raises,
     dies or outlasts `timeout` seconds fails the call, and the other ranks are ended.
     """
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, n, port, backend, fn, args, results)) for rank in range(n)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, n, port, backend, threads, fn, args, results))
+             for rank in range(n)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
