@@ -232,6 +232,18 @@ class _LayerModule(nn.Module):
         return step(layer, weights, h)
 
 
+def layer_checkpoint_keys(layer: int) -> dict[str, str]:
+    """Each parameter of layer `layer`'s `_LayerModule` -> its tensor's name in the checkpoint."""
+    prefix = f"model.layers.{layer}."
+    keys = {"input_norm": prefix + "input_layernorm.weight",
+            "post_attn_norm": prefix + "post_attention_layernorm.weight",
+            "q_norm": prefix + "self_attn.q_norm.weight", "k_norm": prefix + "self_attn.k_norm.weight"}
+    for projection, path in LAYER_PROJECTIONS.items():
+        keys[f"linear.{projection}"] = prefix + path + ".weight"
+        keys[f"bias.{projection}"] = prefix + path + ".bias"
+    return keys
+
+
 class LayerStack(nn.Module):
     """Every layer as a module, each run through its own `__call__` so that its wrapper's hooks fire around it."""
 
@@ -313,8 +325,11 @@ def load_transformer(name: str, path: Path, hf: torch.nn.Module, tokenizer, comp
     cfg = hf.config
     rotary = hf.model.rotary_emb
     inv_freq = rotary.inv_freq.detach().float().clone().to(device)  # before any cast: RoPE tables stay exact
-    # Frozen weights in the compute dtype on the device (ties kept); a no-op for float32 on the CPU.
-    hf.to(device=device, dtype=compute_dtype)
+    # Frozen weights in the compute dtype on the device (ties kept); a no-op for float32 on the CPU. Layer weights
+    # on the meta device (loaded rank-locally after sharding, rank_local.py) stay there, and so does the rest.
+    hf.to(dtype=compute_dtype)
+    if not any(p.is_meta for p in hf.parameters()):
+        hf.to(device=device)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     config = ModelConfig(
         model_type=cfg.model_type,

@@ -22,8 +22,8 @@ Checkpoints (`save_sharded_state`, `load_sharded_state`): each rank writes its s
 moments, read back onto any number of ranks or into one process (sharded_checkpoint.py).
 
 `spawn_ranks` starts N processes forming one group: gloo on the CPU (tested), NCCL with one CUDA device per
-rank (written, untested here: no GPU). Each rank reads the whole base on the CPU before sharding it (host
-memory N times the model while loading); reading only a rank's slices of the safetensors is future work.
+rank (written, untested here: no GPU). Each rank reads only its shards of the layers (families/rank_local.py:
+the fast families; a general-path model is read whole, then sharded).
 
 Shape legend: D hidden, r LoRA rank, N ranks.
 """
@@ -46,7 +46,7 @@ from torch.distributed.fsdp import fully_shard
 
 from whitney.engine.families.decoder import BaseModel
 from whitney.ports import free_port
-from whitney.engine.families.model import load_base_model
+from whitney.engine.families.rank_local import load_sharded
 from whitney.engine.training import checkpoint as ckpt
 from whitney.engine.training.batch import Prepared
 from whitney.engine.training.data_parallel import compute_split_pass, sum_gradients
@@ -61,12 +61,11 @@ from whitney.protocol.training import ForwardResult
 # ---- the sharded base ----------------------------------------------------------------------
 
 
-def shard_base(base: BaseModel, mesh: DeviceMesh, device: torch.device) -> BaseModel:
-    """`base` (loaded on the CPU) with its decoder layers sharded over `mesh` by FSDP2 (one unit per layer, then
-    their root) and the rest on `device` (`Decoder.shard`)."""
-    # Every unit frees its gathered weights after its forward, a unit without a parent unit too (FSDP2 would keep a
-    # root's for the backward: the general path's units have no root over them, families/general.py).
-    return base.shard(lambda module: fully_shard(module, mesh=mesh, reshard_after_forward=True), device)
+def shard_unit(mesh: DeviceMesh) -> Callable[[torch.nn.Module], None]:
+    """What `Decoder.shard` calls on each unit: FSDP2 over `mesh`. Every unit frees its gathered weights after its
+    forward, a unit without a parent unit too (FSDP2 would keep a root's for the backward: the general path's units
+    have no root over them, families/general.py)."""
+    return lambda module: fully_shard(module, mesh=mesh, reshard_after_forward=True)
 
 
 # ---- the engine of one rank ----------------------------------------------------------------
@@ -97,10 +96,12 @@ class ShardedEngine(Engine):
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
     def load_model(self, name: str = DEFAULT_MODEL) -> BaseModel:
-        """Load a base model once, whole on the CPU, then keep this rank's shard of its layers."""
+        """Load a base model once, this rank reading only its shard of the layers where the family allows
+        (families/rank_local.py)."""
         if name not in self.models:
-            self.models[name] = shard_base(load_base_model(name, self.compute_dtype, "cpu"), self.mesh, self.device)
-            gc.collect()  # the loaded Hugging Face model sits in reference cycles that hold the whole weights
+            self.models[name] = load_sharded(name, self.compute_dtype, shard_unit(self.mesh), self.device, self.rank,
+                                             self.world_size)
+            gc.collect()  # a Hugging Face model sits in reference cycles that hold its weights
         return self.models[name]
 
     def _compute(self, base: BaseModel, items: list[Prepared], backward: bool) -> list[ForwardResult | WhitneyError]:
