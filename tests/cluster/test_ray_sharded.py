@@ -76,3 +76,49 @@ def test_a_dead_rank_takes_its_group_down_and_back(sharded):
     assert rank1 not in ray_backend.supervisor.pids("qwen")
     (result,) = ray_backend.run_batch([ForwardRequest("k2", data(0))], True)
     assert not isinstance(result, Failure), result
+
+
+def test_the_ranks_of_a_trainer_spread_over_nodes_when_one_cannot_hold_them(ray_cluster, tiny_qwen3):
+    """Two more nodes, each with room for one rank (a `rank_slot`): the trainer's placement group puts its ranks on
+    both, they meet at rank 0's node and train as one process does; a killed rank takes the group down and it
+    forms again in the same bundles."""
+    import ray
+
+    added = [ray_cluster.add_node(num_cpus=2, resources={"rank_slot": 1}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    spread = RayBackend(CONFIG, [Placement(tiny_qwen3, "spread", resources={"rank_slot": 1}, shards=2)])
+    try:
+        def nodes() -> list[str]:
+            return [ray.get(r.describe.remote())[2] for r in spread.supervisor.trainers["spread"].ranks]
+
+        placed = nodes()
+        assert sorted(placed) == sorted(n.node_id for n in added), "one rank on each added node"
+        table = ray.util.placement_group_table(spread.supervisor.placement_group("spread"))
+        assert table["strategy"] == "PACK" and [table["bundles_to_node_id"][i] for i in (0, 1)] == placed
+        local = InProcessBackend.start(CONFIG, [])
+        local.load_model(tiny_qwen3, alias="spread")
+        pair = (spread, local)
+        both(pair, "create_run", "s", "spread", LORA)
+        for step in range(2):
+            for r, l in zip(*both(pair, "run_batch", [ForwardRequest("s", data(step))], True), strict=True):
+                assert_results_equal(r, l)
+            m_remote, m_local = (optim_step(b, "s", AdamParams(learning_rate=1e-2)) for b in pair)
+            assert m_remote == pytest.approx(m_local, rel=1e-5)
+        os.kill(spread.supervisor.pids("spread")[1], signal.SIGKILL)
+        (failure,) = spread.run_batch([ForwardRequest("s", data(0))], True)
+        assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                spread.create_run("s2", "spread", LORA)
+                break
+            except Unavailable:
+                assert time.monotonic() < deadline, "the group never came back"
+                time.sleep(0.5)
+        assert nodes() == placed, "each rank back in its own bundle"
+        (result,) = spread.run_batch([ForwardRequest("s2", data(1))], True)
+        assert not isinstance(result, Failure), result
+    finally:
+        spread.close()
+        for node in added:
+            ray_cluster.remove_node(node)

@@ -44,6 +44,10 @@ class Placement:
         return dict(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
                     max_restarts=-1, max_task_retries=0, runtime_env={"env_vars": env})
 
+    def bundle(self) -> dict[str, float]:
+        """One worker's resources as a bundle of a Ray placement group (a sharded trainer's: one per rank)."""
+        return {k: v for k, v in {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}.items() if v}
+
 
 def placements(spec: BackendSpec) -> list[Placement]:
     """Each served model's placement from `spec.worker_resources` (by the name given or served; default one CPU):

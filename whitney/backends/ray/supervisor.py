@@ -7,6 +7,11 @@ it, and a call to a worker that is restarting is refused at once with `Unavailab
 lost node) in a call, which fails with `WorkerLost`, or while idle, which the heartbeat in `take_lost_runs`
 notices (its process changed). Ray restarts a dead actor; the surviving ranks of a sharded trainer are killed so
 that they restart with it. A trainer's runs lived only in its memory: they are lost with it.
+
+The ranks of a sharded trainer are placed together: one Ray placement group per trainer, a bundle of its worker
+resources per rank, packed onto as few nodes as hold them and spread over more where one does not (`PACK`). Ray
+reserves the bundles for the trainer's life, so a rank that dies restarts in its own bundle, and the ranks meet
+at rank 0's node address.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from whitney.protocol.backend import ModelInfo, WorkerLost, raise_failure
 from whitney.protocol.config import EngineConfig
 
 HEARTBEAT_SECONDS = 2.0  # how often an idle trainer is asked whether it is the same process
+PLACE_SECONDS = 120.0  # how long the ranks of a sharded trainer may wait for the cluster to hold their bundles
 
 T = TypeVar("T")
 
@@ -52,10 +58,13 @@ class Supervisor:
         self._run_model: dict[str, str] = {}
         self._lost: list[str] = []
         self.placements = {p.name: p for p in placements}
+        self._groups: dict[str, object] = {}  # a sharded trainer's Ray placement group, by model
         self._config = config
         self._actor_class = ray.remote(concurrency_groups={CHECKS: CHECK_THREADS})(ModelWorker)  # heavy calls beside
         try:
             for p in placements:
+                if p.shards > 1:
+                    self._groups[p.name] = self._place(p)
                 self._names[p.model] = self._names[p.name] = p.name
                 self.trainers[p.name] = Worker([self._actor(p, rank, p.shards) for rank in range(p.shards)], p.name,
                                                Role.TRAINER)
@@ -76,7 +85,27 @@ class Supervisor:
         env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),  # every worker's, whoever started Ray
                # glibc reads it as the process starts, before Ray's threads make arenas of their own (heap.py)
                "MALLOC_ARENA_MAX": str(ARENAS)}
-        return self._actor_class.options(**p.actor_options(env)).remote(self._config, p.model, p.name, rank, shards)
+        options = p.actor_options(env)
+        if shards > 1:  # its bundle of the trainer's placement group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._groups[p.name], placement_group_bundle_index=rank)
+        return self._actor_class.options(**options).remote(self._config, p.model, p.name, rank, shards)
+
+    def _place(self, p: Placement):
+        """A placement group of the trainer's ranks, one bundle each, reserved on the cluster (PACK: as few nodes
+        as hold them). InvalidInput where the cluster cannot hold them within PLACE_SECONDS."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group([p.bundle()] * p.shards, strategy="PACK")
+        try:
+            self.ray.get(group.ready(), timeout=PLACE_SECONDS)
+        except self.ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise InvalidInput(f"the cluster cannot place the {p.shards} ranks of {p.name}, each {p.bundle()}, "
+                               f"within {PLACE_SECONDS:.0f} s", field="worker_resources") from None
+        return group
 
     def add_sampler(self, model: str) -> Worker:
         """One more replica of the model (elastic): it starts as a restart does, never waited for here."""
@@ -99,6 +128,10 @@ class Supervisor:
     def nodes(self) -> dict[str, list[str]]:
         """Each served model's workers' Ray node ids (trainer first)."""
         return {m: [w.node for w in (self.trainers[m], *self.samplers[m])] for m in self.trainers}
+
+    def placement_group(self, model: str):
+        """The Ray placement group holding a sharded trainer's ranks (None: an unsharded trainer)."""
+        return self._groups.get(model)
 
     def pids(self, model: str) -> list[int]:
         """The process ids of a model's workers: the trainer's ranks, then each replica."""
@@ -261,5 +294,10 @@ class Supervisor:
                 self.ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        if self._groups and self.ray.is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            for group in self._groups.values():
+                remove_placement_group(group)
         if self._owns_ray and self.ray.is_initialized():
             self.ray.shutdown()
