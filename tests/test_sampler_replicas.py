@@ -8,7 +8,8 @@ import pytest
 
 from whitney.backends.vllm.requests import Answer, completion_body, exact_only
 from whitney.errors import InvalidInput
-from whitney.protocol.backend import ExactOnly, SamplerEngine, SamplerReplicas
+from whitney.protocol.backend import BackendSpec, ExactOnly, SamplerEngine, SamplerReplicas
+from whitney.protocol.config import EngineConfig
 from whitney.protocol.sampling import SampleProgress, SamplingParams
 from whitney.protocol.training import ImageInput
 
@@ -100,8 +101,6 @@ def test_the_serve_flags():
 
 def test_elastic_replicas_of_whitneys_own_sampler_on_ray_are_placed_by_their_bounds():
     from whitney.backends.ray.placement import placements
-    from whitney.protocol.backend import BackendSpec
-    from whitney.protocol.config import EngineConfig
 
     [p] = placements(BackendSpec(EngineConfig(), (("m", "m"),), samplers=SamplerReplicas(0, 2, idle_seconds=9.0)))
     assert (p.samplers, p.max_samplers, p.sampler_idle_seconds) == (0, 2, 9.0)
@@ -132,3 +131,18 @@ def test_the_kv_cache_holds_one_longest_sequence(tmp_path):
     assert kv_cache_gib(str(tmp_path), "float32", 40960) == 11
     assert kv_cache_gib(str(tmp_path), "bfloat16", 40960) == 6
     assert kv_cache_gib(str(tmp_path), "float32", 512) == CPU_KV_CACHE_GIB
+
+
+def test_a_trainer_sharded_over_gpus_gets_tensor_parallel_vllm_replicas_of_as_many_gpus():
+    """gpus:4 shards the trainer over 4 GPUs (a base larger than one): its vLLM replicas are tensor parallel over 4
+    GPUs each; a model sharded over CPU ranks, or on one GPU, samples on one device; the operator's own
+    --tensor-parallel-size stands."""
+    from whitney.backends.vllm import _tensor_parallel, _with_tensor_parallel
+
+    spec = BackendSpec(EngineConfig(), (("big", "big"), ("cpu", "cpu"), ("one", "one")),
+                       samplers=SamplerReplicas(1, 1, engine=SamplerEngine.VLLM),
+                       worker_resources={"big": {"gpus": 4}, "cpu": {"shards": 2}, "one": {"gpus": 1}})
+    assert _tensor_parallel(spec) == {"big": 4}
+    assert _with_tensor_parallel(("--enforce-eager",), 4) == ("--enforce-eager", "--tensor-parallel-size", "4")
+    assert _with_tensor_parallel(("--tensor-parallel-size", "2"), 4) == ("--tensor-parallel-size", "2")
+    assert _with_tensor_parallel((), 1) == ()

@@ -34,6 +34,7 @@ def with_replicas(inner: ServedBackend, spec: BackendSpec, on_ray: bool = False)
     settings = replace(settings, vllm_python=python)
     names = {**{given: served for given, served in spec.models}, **{served: served for _, served in spec.models}}
     work = Path(tempfile.mkdtemp(prefix="whitney-vllm-"))
+    parallel = _tensor_parallel(spec) if on_ray else {}
     models, bases = {}, {}
     for served in dict.fromkeys(names.values()):
         info = inner.models[served]
@@ -43,7 +44,8 @@ def with_replicas(inner: ServedBackend, spec: BackendSpec, on_ray: bool = False)
         models[served] = (ServerSpec(python, info.files, served, info.compute_dtype, length,
                                      spec.engine.max_lora_rank, settings.max_loras,
                                      "cpu" if info.device == "cpu" else info.device,
-                                     kv_cache_gib(info.files, info.compute_dtype, length), settings.vllm_args),
+                                     kv_cache_gib(info.files, info.compute_dtype, length),
+                                     _with_tensor_parallel(settings.vllm_args, parallel.get(served, 1))),
                           info.eos_token_ids)
         bases[served] = base_adapter(inner, served, work / f"base-{len(bases)}")
     pool = ReplicaPool(models, settings, _ray_launch(spec) if on_ray else None, log_dir=work)
@@ -68,9 +70,27 @@ def _ray_launch(spec: BackendSpec) -> Launch:
     from whitney.backends.ray.placement import placements
     from whitney.backends.vllm.ray_host import ray_launch
 
-    # Never restarted by Ray: the pool replaces a replica that died (and fails or retries its samples).
-    return ray_launch({p.name: {**p.actor_options({"HF_HUB_OFFLINE": "1"}), "max_restarts": 0}
+    # Never restarted by Ray: the pool replaces a replica that died (and fails or retries its samples). A model
+    # whose trainer is sharded over GPUs gets replicas of as many GPUs, tensor parallel (_tensor_parallel).
+    parallel = _tensor_parallel(spec)
+    return ray_launch({p.name: {**p.actor_options({"HF_HUB_OFFLINE": "1"}), "max_restarts": 0,
+                                "num_gpus": p.num_gpus * parallel.get(p.name, 1)}
                        for p in placements(without_replicas(spec))})
+
+
+def _tensor_parallel(spec: BackendSpec) -> dict[str, int]:
+    """Each model whose trainer is sharded over N > 1 GPUs (`gpus:N`: a base larger than one device): N, the
+    tensor-parallel size of its vLLM replicas, each on N GPUs. A model sharded over CPU ranks samples on one."""
+    from whitney.backends.ray.placement import placements
+
+    return {p.name: p.shards for p in placements(without_replicas(spec)) if p.shards > 1 and p.num_gpus}
+
+
+def _with_tensor_parallel(args: tuple[str, ...], size: int) -> tuple[str, ...]:
+    """vLLM's arguments with `--tensor-parallel-size size`, unless size is 1 or the operator's arguments set it."""
+    if size == 1 or any(a.startswith(("--tensor-parallel-size", "-tp")) for a in args):
+        return args
+    return (*args, "--tensor-parallel-size", str(size))
 
 
 def without_replicas(spec: BackendSpec) -> BackendSpec:
