@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "hostile", "cluster",
-         "peers", "general", "busy", "tenants", "capacity", "vllm"]
+         "peers", "general", "busy", "tenants", "capacity", "vllm", "sharded"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -162,6 +162,14 @@ def absolute(name: str, r: dict) -> str:
         return (f"{wave.replace('x', ' x ')} tokens over {r['settings']['runs']} LoRA versions: " + ", ".join(
             f"{n} {r[n]['waves'][wave]['lora']['tokens_per_s']:.0f} tok/s" for n in names)
             + "; every figure in the tables below")
+    if name == "sharded":
+        t, m = r["throughput"], r["load_rss"]
+        return (f"training {t['tokens_s']['1']:.0f} tok/s on 1 rank, {t['tokens_s']['2']:.0f} tok/s on 2 "
+                f"({t['median_step_s']['1']:.2f} / {t['median_step_s']['2']:.2f} s per step); loading with every "
+                f"weight resident: unsharded {m['unsharded_peak_mib']:.0f} MiB, each of 2 ranks "
+                f"{m['per_rank_peak_mib']:.0f} MiB, a process that only imported torch and whitney "
+                f"{m['baseline_imports_only_mib']['VmRSS']:.0f} MiB; right after load_model (the unsharded file only "
+                f"mapped) {m['after_load']['unsharded_peak_mib']:.0f} / {m['after_load']['per_rank_peak_mib']:.0f} MiB")
     if name.startswith("capacity"):
         s = r["summary"]
         return (f"{s['runs_reached']} of {s['runs_target']} runs ({s['stopped']}); RSS one run "
@@ -478,6 +486,14 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "there); new version = submit save_weights_for_sampler (after an SFT step) -> a max_tokens=1 sample of it; "
         "agreement: the sampled tokens' log-probs against compute_logprobs (the trainer's), and greedy samples against "
         "Whitney's sampler (LoRA: a save_state package saved with the version, which Whitney's sampler serves).",
+        "- **sharded** (`--only sharded`, issue 33; bench/sharded.py): a sharded, data-parallel trainer "
+        "(`ShardedEngine`, gloo, float32, SmolLM2) on 2 ranks against 1 rank, one compute thread per rank, groups "
+        "alternating: one step = forward_backward (cross_entropy, 32 x 128 tokens, and 16 x 128 as info; LoRA rank 32 "
+        "on every module) + "
+        "optim_step, after a warm-up step; tokens/s from rank 0's step times. Target >= 1.7x. Loading: peak RSS "
+        "(VmHWM) of each rank loading the base and reading every weight it holds, against an unsharded Engine doing "
+        "the same in a fresh process (an unsharded load only maps a float32 safetensors file; its pages count once "
+        "read), net of a process that only imported torch and whitney. Target <= 0.72x.",
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"

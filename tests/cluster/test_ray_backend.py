@@ -5,6 +5,8 @@ Workers are real Ray actors on a local two-node cluster; the in-process backend 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -55,6 +57,19 @@ def optim_step(backend, run_id: str, params: AdamParams) -> dict[str, float]:
     (metrics,) = backend.optim_steps([(run_id, params)])
     assert not isinstance(metrics, Failure), metrics
     return metrics
+
+
+def create_run_once_back(backend, run_id: str, model: str, timeout: float = 120) -> None:
+    """Create a run on a model's trainer as soon as it is back: Unavailable (503) while its worker, or the ranks
+    of a sharded one, restart."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            backend.create_run(run_id, model, LORA)
+            return
+        except Unavailable:
+            assert time.monotonic() < deadline, f"the trainer of {model} never came back"
+            time.sleep(0.5)
 
 
 def assert_results_equal(a, b) -> None:
@@ -169,7 +184,6 @@ def test_a_model_that_cannot_load_is_refused_with_its_reason(ray_cluster, tmp_pa
 def test_a_trainer_that_dies_while_idle_is_noticed_by_the_heartbeat(ray_cluster, tiny_qwen3):
     import os
     import signal
-    import time
 
     backend = RayBackend(CONFIG, [Placement(tiny_qwen3, "qwen", resources={"node_b": 1})])
     try:
@@ -194,7 +208,6 @@ def test_a_sample_on_a_trainer_that_died_fails_with_it(ray_cluster, tiny_llama):
     ends with worker_lost; it does not wait forever on the restarted process, which never heard of it."""
     import os
     import signal
-    import time
 
     backend = RayBackend(CONFIG, [Placement(tiny_llama, "tiny", resources={"node_a": 1})])
     try:
@@ -204,14 +217,7 @@ def test_a_sample_on_a_trainer_that_died_fails_with_it(ray_cluster, tiny_llama):
         os.kill(backend.supervisor.pids("tiny")[0], signal.SIGKILL)
         (failure,) = backend.run_batch([ForwardRequest("r", data(0))], True)
         assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
-        deadline = time.monotonic() + 120
-        while True:  # Unavailable while it restarts
-            try:
-                backend.create_run("r2", "tiny", LORA)
-                break
-            except Unavailable:
-                assert time.monotonic() < deadline, "the worker never came back"
-                time.sleep(0.5)
+        create_run_once_back(backend, "r2", "tiny")
         deadline, ended = time.monotonic() + 30, []
         while not ended:
             assert time.monotonic() < deadline, "the sample waits on a process that died"

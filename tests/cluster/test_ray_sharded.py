@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
 
-from tests.cluster.test_ray_backend import CONFIG, LORA, assert_results_equal, both, data, optim_step
+from tests.cluster.test_ray_backend import (CONFIG, LORA, assert_results_equal, both, create_run_once_back, data,
+                                            optim_step)
 from whitney.backends.ray.proxy import Placement, RayBackend
 from whitney.backends.in_process import InProcessBackend
 from whitney.engine import AdamParams, ForwardRequest, LoraConfig, Weights
-from whitney.errors import Unavailable
 from whitney.protocol.backend import Failure, PackageKind
 
 
@@ -65,14 +64,7 @@ def test_a_dead_rank_takes_its_group_down_and_back(sharded):
     (failure,) = ray_backend.run_batch([ForwardRequest("k", data(0))], True)
     assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
     assert "k" in ray_backend.take_lost_runs()
-    deadline = time.monotonic() + 120
-    while True:  # 503 (Unavailable) while the ranks restart and form their group again
-        try:
-            ray_backend.create_run("k2", "qwen", LORA)
-            break
-        except Unavailable:
-            assert time.monotonic() < deadline, "the group never came back"
-            time.sleep(0.5)
+    create_run_once_back(ray_backend, "k2", "qwen")  # the ranks restart and form their group again
     assert rank1 not in ray_backend.supervisor.pids("qwen")
     (result,) = ray_backend.run_batch([ForwardRequest("k2", data(0))], True)
     assert not isinstance(result, Failure), result
@@ -107,14 +99,7 @@ def test_the_ranks_of_a_trainer_spread_over_nodes_when_one_cannot_hold_them(ray_
         os.kill(spread.supervisor.pids("spread")[1], signal.SIGKILL)
         (failure,) = spread.run_batch([ForwardRequest("s", data(0))], True)
         assert isinstance(failure, Failure) and failure.code == "worker_lost", failure
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                spread.create_run("s2", "spread", LORA)
-                break
-            except Unavailable:
-                assert time.monotonic() < deadline, "the group never came back"
-                time.sleep(0.5)
+        create_run_once_back(spread, "s2", "spread")
         assert nodes() == placed, "each rank back in its own bundle"
         (result,) = spread.run_batch([ForwardRequest("s2", data(1))], True)
         assert not isinstance(result, Failure), result

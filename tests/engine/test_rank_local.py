@@ -12,11 +12,11 @@ loads another model of the family, so that imports are not counted.
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tests.models import make_tiny_model
 from whitney.engine import Engine
+from whitney.engine.families.rank_local import held_weights
 from whitney.engine.training.sharded import ShardedEngine, spawn_ranks
 
 GEOMETRY = dict(vocab_size=1024, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
@@ -37,7 +37,7 @@ def _load_peak(warm: str, model: str, sharded: bool) -> dict:
         f.write("5")  # the peak RSS starts again from the current RSS
     before = _status_kib("VmRSS")
     base = engine.load_model(model)
-    for weight in _weights(base):
+    for weight in held_weights(base):
         weight.sum()  # resident
     out = {"growth_kib": _status_kib("VmHWM") - before}
     if sharded:  # this rank's shard of every layer weight, and what it holds
@@ -46,15 +46,6 @@ def _load_peak(warm: str, model: str, sharded: bool) -> dict:
         out["whole"] = sum(p.numel() for p in layers)
         out["rank"] = dist.get_rank()
     return out
-
-
-def _weights(base) -> list[torch.Tensor]:
-    """Every weight a fast-family base holds in this process: a sharded one's own shards of the layers."""
-    if isinstance(base.layers, torch.nn.Module):
-        layers = [p.to_local() for p in base.layers.parameters()]
-    else:
-        layers = [t for lw in base.layers for t in (lw.input_norm, lw.post_attn_norm, *lw.linear.values())]
-    return [base.embed, base.lm_head, base.final_norm, *layers]
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,17 @@ def load_whole_then_shard(name: str, compute_dtype: torch.dtype, shard: Callable
     return load_base_model(name, compute_dtype, "cpu").shard(shard, device)
 
 
+def held_weights(base: BaseModel) -> list[torch.Tensor]:
+    """Every frozen weight a fast-family base holds in this process (a sharded one: its own shards of the layers),
+    e.g. to read them all, which makes weights resident that a load only mapped from their file."""
+    if isinstance(base.layers, nn.Module):
+        layers = [p.to_local() for p in base.layers.parameters()]
+    else:
+        layers = [t for lw in base.layers for t in (lw.input_norm, lw.post_attn_norm, *lw.linear.values(),
+                                                    *lw.bias.values())]
+    return [base.embed, base.lm_head, base.final_norm, *layers]
+
+
 def _tokenizer(path: Path):
     from transformers import AutoTokenizer
 
