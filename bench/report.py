@@ -232,8 +232,9 @@ def fmt_s(x, unit: str = "s") -> str:
 
 
 def settings(r: dict) -> str:
+    """A result's settings as key=value, a measurement's own settings (a dict) as its name's list in brackets."""
     s = r.get("settings", {})
-    return ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict))
+    return ", ".join(f"{k}=[{settings({'settings': v})}]" if isinstance(v, dict) else f"{k}={v}" for k, v in s.items())
 
 
 def plots(results: dict[str, dict], out_dir: Path) -> list[str]:
