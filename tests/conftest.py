@@ -44,6 +44,7 @@ HEAVY = {
     "ranks in processes of their own",
     "engine/test_data_parallel.py::test_general_path_and_moe_equal_unsharded": "two gloo ranks, twice",
     "engine/test_data_parallel.py::test_vision_family_with_image_rows_equals_unsharded": "two gloo ranks",
+    "engine/test_rank_local.py": "gloo ranks in processes of their own, and a 134 MB model",
     "engine/test_vision_ray.py": "a local Ray cluster",
     "service/test_fuzz.py": "schemathesis over every route",
     "test_seed_command.py": "the seed's script end to end",
