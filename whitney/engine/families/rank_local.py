@@ -1,8 +1,8 @@
 """Rank-local loading: a base model sharded over the ranks of a process group, each rank reading only its own
 shards of the decoder layers from the checkpoint.
 
-The model is built on the meta device (no memory). Its replicated parts (embedding, final norm, unembedding,
-rotary tables) are read whole; each decoder layer weight stays on meta through the family's build and the
+The model is built on the meta device (no memory). Its replicated parts (embedding, final norm, unembedding) are
+read whole and its rotary tables computed; each decoder layer weight stays on meta through the family's build and the
 sharding (`Decoder.shard`: FSDP2 turns it into a meta DTensor), then `to_empty` gives each rank storage for its own
 shard (dim 0: FSDP2's chunk of ceil(rows / N) rows), which is filled with those rows of the checkpoint tensor,
 read as a slice of its safetensors file (safetensors reads only those bytes). Peak host memory per rank: about
@@ -10,8 +10,10 @@ the replicated parts plus 1/N of the layer weights (docs/BENCHMARKS.md), where l
 held the whole model.
 
 Served this way: the fast families (transformer.py), whose layer weights are the checkpoint's tensors one to one
-(`transformer.layer_checkpoint_keys`). A general-path model (its modules, key renames and expert conversions are
-Hugging Face's own) is loaded whole, then sharded (`load_whole_then_shard`).
+(`transformer.layer_checkpoint_keys`), from a safetensors checkpoint. A general-path model (its modules, key
+renames and expert conversions are Hugging Face's own; its load check runs forwards of the whole model, whose
+gathered layers would stay in the heap: docs/BENCHMARKS.md) is loaded whole, then sharded
+(`load_whole_then_shard`), and so is any other checkpoint.
 
 Shape legend: N ranks, R rows of a weight (dim 0).
 """
@@ -41,10 +43,11 @@ def load_sharded(name: str, compute_dtype: torch.dtype, shard: Callable[[nn.Modu
     path = resolve_model_dir(name)
     files = _tensor_files(path)
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in SUPPORTED_TYPES or files is None:
+    hf = _skeleton(config, files) if config.model_type in SUPPORTED_TYPES and files is not None else None
+    if hf is None:
         return load_whole_then_shard(name, compute_dtype, shard, device)
     hub_cache.register(shown_name(name), path)
-    base = load_transformer(name, path, _skeleton(config, files), _tokenizer(path), compute_dtype, "cpu")
+    base = load_transformer(name, path, hf, _tokenizer(path), compute_dtype, "cpu")
     sharded = base.shard(shard, device)
     for i, module in enumerate(sharded.layers.layers):
         # Storage for this rank's shards only, a layer at a time (FSDP2 copies each into its own padded storage).
@@ -93,31 +96,33 @@ def _tensor_files(path: Path) -> dict[str, Path] | None:
         return {k: single for k in f.keys()}
 
 
-def _read(files: dict[str, Path], key: str, rows: slice | None = None) -> torch.Tensor:
-    """The checkpoint tensor `key`, or its rows (dim 0): only those bytes are read."""
+def _read(files: dict[str, Path], key: str) -> torch.Tensor:
+    """The checkpoint tensor `key`, whole."""
     from safetensors import safe_open
 
     with safe_open(files[key], "pt") as f:
-        return f.get_tensor(key) if rows is None else f.get_slice(key)[rows]
+        return f.get_tensor(key)
 
 
-def _skeleton(config, files: dict[str, Path]) -> nn.Module:
+def _skeleton(config, files: dict[str, Path]) -> nn.Module | None:
     """The Hugging Face model of `config` with its replicated weights read from the checkpoint and its decoder
-    layers' weights on the meta device (no storage)."""
+    layers' weights on the meta device (no storage); None where the checkpoint lacks one of those weights or the
+    model holds a buffer this does not compute (it is then loaded whole)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for full_name, param in list(hf.named_parameters()):
-        if full_name.startswith("model.layers."):
-            continue
+    replicated = [n for n, _ in hf.named_parameters() if not n.startswith("model.layers.")]
+    if any(n not in files for n in replicated):
+        return None
+    for full_name in replicated:
         owner, _, leaf = full_name.rpartition(".")
         value = _read(files, full_name).float()
         hf.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
     if getattr(config, "tie_word_embeddings", False):
         hf.lm_head.weight = hf.model.embed_tokens.weight
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # its tables, computed (not in the checkpoint)
-    return hf
+    return None if any(b.is_meta for b in hf.buffers()) else hf
 
 
 def _fill_rows(local: torch.Tensor, files: dict[str, Path], key: str, rank: int, ranks: int) -> None:
