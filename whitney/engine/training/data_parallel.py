@@ -98,19 +98,19 @@ def compute_split_pass(base: BaseModel, items: list[Prepared], backward: bool
                                               rows=it.rows and [it.rows[j] for j in keep])))
         start += len(it.datums)
     mine = [s.mine for s in shares]
+    whole_inputs = [loss_inputs(s.whole, base.device) for s in shares]  # each request's (targets, inputs)
     teacher_kl = teacher_logprobs(base, mine, pad=True)
     with torch.set_grad_enabled(backward):
         hidden, flat = forward_rows(base, mine, pad=True)  # [B, T, D], [sum N, D] of this rank's rows
         local, start = [], 0
-        for share, tk in zip(shares, teacher_kl):
+        for share, (_, inputs), tk in zip(shares, whole_inputs, teacher_kl):
             n = sum(d.length for d in share.mine.datums)
-            local.append(_model_values(base, share, flat[start:start + n], tk))
+            local.append(_model_values(base, share, inputs, flat[start:start + n], tk, rank))
             start += n
     whole = _all_gather(shares, local, base.lm_head.shape[0], base.device)
     outputs, leaves = [], []
     with torch.set_grad_enabled(backward):
-        for share, values in zip(shares, whole):
-            targets, inputs = loss_inputs(share.whole, base.device)
+        for share, values, (targets, inputs) in zip(shares, whole, whole_inputs):
             lp = values[LOGPROBS].view(targets.shape).requires_grad_(backward)  # [N] or [N, K]
             if share.whole.spec.teacher:
                 inputs[STUDENT_KL] = values[STUDENT_KL].requires_grad_(backward)  # [P, V]
@@ -127,18 +127,19 @@ def compute_split_pass(base: BaseModel, items: list[Prepared], backward: bool
     return [o if isinstance(o, WhitneyError) else forward_result(s.whole, o) for s, o in zip(shares, outputs)]
 
 
-def _model_values(base: BaseModel, share: _Share, h: torch.Tensor, teacher_kl) -> dict[str, torch.Tensor]:
+def _model_values(base: BaseModel, share: _Share, whole_inputs: dict[str, torch.Tensor], h: torch.Tensor,
+                  teacher_kl, rank: int) -> dict[str, torch.Tensor]:
     """This rank's values of one request, from its hidden rows h [n, D]: log-probs [n, K] and, with a teacher,
-    student_kl and teacher_kl [p, V]. Where the loss knows its gradient in the log-probs from its inputs alone,
-    the unembedding takes it in the same pass (as `batch.compute_pass` does)."""
+    student_kl and teacher_kl [p, V]. Where the loss knows its gradient in the log-probs from its inputs alone
+    (`whole_inputs`, the whole request's), the unembedding takes this rank's rows of it in the same pass (as
+    `batch.compute_pass` does)."""
     mine = share.mine
     if not mine.datums:
         return {}
     targets, inputs = loss_inputs(mine, base.device)
     known = None
-    if share.whole.spec.gradient and torch.is_grad_enabled():  # from the whole request's inputs: its rows here
-        _, whole_inputs = loss_inputs(share.whole, base.device)
-        rows = share.local_rows(LOGPROBS, dist.get_rank()).to(base.device)
+    if share.whole.spec.gradient and torch.is_grad_enabled():
+        rows = share.local_rows(LOGPROBS, rank).to(base.device)
         known = share.whole.spec.gradient(whole_inputs, share.whole.config)[rows]
     lp = target_logprobs(base, h, targets, mine.adapter, known)
     out = {LOGPROBS: lp.reshape(len(lp), -1)}
