@@ -100,12 +100,13 @@ COMPOSITE_KINDS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForConditionalGeneration"
                    "gemma3": ("gemma3_text", "Gemma3ForConditionalGeneration")}
 
 
-def make_tiny_general_model(out: Path, kind: str, seed: int = 0) -> Path:
-    """Write a 2-layer random model of a general-path family (a key of GENERAL_KINDS) to out; return out."""
+def make_tiny_general_model(out: Path, kind: str, seed: int = 0, **geometry) -> Path:
+    """Write a 2-layer random model of a general-path family (a key of GENERAL_KINDS) to out, TINY's geometry with
+    `geometry`'s changes; return out."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    common = TINY
+    common = {**TINY, **geometry}
     if kind in COMPOSITE_KINDS:
         import transformers
 

@@ -102,10 +102,10 @@ def _self_check(hf: torch.nn.Module, decoder: torch.nn.Module, vocab: int) -> st
     return None
 
 
-def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_dtype: torch.dtype,
-                 device: torch.device | str) -> GeneralModel:
-    """A GeneralModel over the frozen Hugging Face module `hf` (read in float32 on the CPU): checked,
-    frozen, then moved to `device` in `compute_dtype`."""
+def admit(name: str, hf: torch.nn.Module) -> None:
+    """Refuse (InvalidInput naming `base_model`) a model this path cannot serve: an encoder-decoder, a head that
+    transforms its logits, no decoder `layers` list or no nn.Linear lm_head, no max_position_embeddings, or one that
+    fails `_self_check`'s forwards (read in float32 on the CPU). Its weights are frozen and it is put in eval mode."""
     cfg = hf.config
     text = cfg.get_text_config()  # the text model's config (itself, unless a multimodal checkpoint: gemma3)
     if getattr(cfg, "is_encoder_decoder", False):
@@ -115,8 +115,8 @@ def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_
         raise _refuse(name, f"model type {cfg.model_type!r} transforms its logits ({', '.join(extras)}), "
                             "which this server's unembedding does not reproduce")
     try:
-        decoder_path, decoder = decoder_of(hf)
-        shapes = adaptable_shapes(hf)
+        _, decoder = decoder_of(hf)
+        adaptable_shapes(hf)
     except ValueError as e:
         raise _refuse(name, f"model type {cfg.model_type!r}: {e}") from None
     context = getattr(text, "max_position_embeddings", None)
@@ -131,6 +131,18 @@ def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_
         why = f"its forward failed ({type(e).__name__}: {e})"
     if why:
         raise _refuse(name, f"model type {cfg.model_type!r}: {why}")
+
+
+def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_dtype: torch.dtype,
+                 device: torch.device | str | None, admitted: bool = False) -> GeneralModel:
+    """A GeneralModel over the frozen Hugging Face module `hf` (read in float32 on the CPU): checked (`admit`,
+    unless `admitted`: the caller ran it), frozen, then moved to `device` (None: where it is) in `compute_dtype`."""
+    if not admitted:
+        admit(name, hf)
+    cfg = hf.config
+    text = cfg.get_text_config()
+    decoder_path, _ = decoder_of(hf)
+    shapes = adaptable_shapes(hf)
     hf.to(device=device, dtype=compute_dtype)
     vision = load_vision(path, hf, compute_dtype, device)  # None: served as text only
     heads = getattr(text, "num_attention_heads", 0) or 0
@@ -144,7 +156,7 @@ def load_general(name: str, path: Path, hf: torch.nn.Module, tokenizer, compute_
         head_dim=getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0),
         intermediate_size=getattr(text, "intermediate_size", 0) or 0,
         rms_eps=float(getattr(text, "rms_norm_eps", 0.0) or 0.0),
-        max_context=context,
+        max_context=text.max_position_embeddings,
         tie_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
         qk_norm=False,  # fast-path fields: the model's own modules do what its family does
         attention_bias=False,
@@ -223,8 +235,8 @@ class GeneralModel(BaseModel):
     def shard(self, shard: Callable[[torch.nn.Module], None], device: torch.device) -> GeneralModel:
         """This model (loaded on the CPU) with each of its decoder layers, and its embedding, sharded by `shard`
         (units of their own: no root unit over the stack, so a multimodal module that embeds the tokens itself
-        gathers in the order the stack does) and the rest of the stack (final norm, rotary tables) and the
-        unembedding on `device`. The model's own modules run as ever: a sharding wrapper gathers a unit's weights
+        gathers in the order the stack does) and the rest of the stack (final norm, rotary tables), a vision tower
+        and the unembedding on `device`. The model's own modules run as ever: a sharding wrapper gathers a unit's weights
         around its forward and its backward."""
         stack = self.decoder_stack
         embedding = stack.get_input_embeddings()
@@ -233,6 +245,9 @@ class GeneralModel(BaseModel):
         shard(embedding)
         for child in stack.children():
             if child is not stack.layers and child is not embedding:
+                child.to(device)
+        for child in self.vision.model.children() if self.vision else ():  # its vision tower and projector
+            if child is not stack:
                 child.to(device)
         head = self.hf.get_output_embeddings().to(device)  # never run (BaseModel.unembed uses its weight)
         return replace(self, embed=self.embed.to(device), lm_head=head.weight.detach())

@@ -1,19 +1,22 @@
 """Rank-local loading: a base model sharded over the ranks of a process group, each rank reading only its own
 shards of the decoder layers from the checkpoint.
 
-The model is built on the meta device (no memory). Its replicated parts (embedding, final norm, unembedding) are
-read whole and its rotary tables computed; each decoder layer weight stays on meta through the family's build and the
-sharding (`Decoder.shard`: FSDP2 turns it into a meta DTensor), then `to_empty` gives each rank storage for its own
-shard (dim 0: FSDP2's chunk of ceil(rows / N) rows), which is filled with those rows of the checkpoint tensor,
-read as a slice of its safetensors file (safetensors reads only those bytes). Peak host memory per rank: about
-the replicated parts plus 1/N of the layer weights (docs/BENCHMARKS.md), where loading whole and sharding after
-held the whole model.
+The Hugging Face model is built with its parameters on the meta device (no memory; its computed buffers, such as
+rotary tables, real). Its replicated parts (embedding, final norm, unembedding, a vision tower) are read whole; each
+decoder layer weight stays on meta through the family's build and the sharding (FSDP2 turns it into a meta DTensor),
+then `to_empty` gives each rank storage for its own shard (dim 0: FSDP2's chunk of ceil(rows / N) rows), which is
+filled with those rows of the checkpoint tensor, read as a slice of its safetensors file (safetensors reads only
+those bytes). Peak host memory per rank: about the replicated parts plus 1/N of the layer weights
+(docs/BENCHMARKS.md), where loading whole and sharding after held the whole model.
 
-Served this way: the fast families (transformer.py), whose layer weights are the checkpoint's tensors one to one
-(`transformer.layer_checkpoint_keys`), from a safetensors checkpoint. A general-path model (its modules, key
-renames and expert conversions are Hugging Face's own; its load check runs forwards of the whole model, whose
-gathered layers would stay in the heap: docs/BENCHMARKS.md) is loaded whole, then sharded
-(`load_whole_then_shard`), and so is any other checkpoint.
+Both paths load this way. A fast family (transformer.py) maps its layer weights to the checkpoint's tensors by
+`transformer.layer_checkpoint_keys`. A general-path model (general.py) is admitted by its load check (`admit`) run
+on the shortest prefix of its layers that holds one layer of each structure, read whole before sharding: the check
+is about what a kind of layer computes (causal, nothing after the head), not the values of its weights, and a
+forward of the whole sharded model would leave every gathered layer in the heap (docs/BENCHMARKS.md). A checkpoint
+whose tensors are not the model's parameters one to one (by name and shape: Hugging Face's conversions, such as
+per-expert weights stacked at load) or that is not in safetensors is loaded whole, then sharded
+(`load_whole_then_shard`). No family is refused.
 
 Shape legend: N ranks, R rows of a weight (dim 0).
 """
@@ -21,14 +24,17 @@ Shape legend: N ranks, R rows of a weight (dim 0).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from whitney.engine.families import hub_cache
 from whitney.engine.families.decoder import BaseModel
+from whitney.engine.families.general import GeneralModel, admit, decoder_of, load_general
 from whitney.engine.families.model import SUPPORTED_TYPES, load_base_model, resolve_model_dir
 from whitney.engine.families.transformer import layer_checkpoint_keys, load_transformer
 from whitney.protocol.config import shown_name
@@ -37,24 +43,32 @@ from whitney.protocol.config import shown_name
 def load_sharded(name: str, compute_dtype: torch.dtype, shard: Callable[[nn.Module], None], device: torch.device,
                  rank: int, ranks: int) -> BaseModel:
     """The base model `name` with its decoder layers sharded by `shard` over `ranks` ranks (this one `rank`), the
-    rest on `device`: read rank-locally where the family allows (see the module docstring), else whole first."""
+    rest on `device`: read rank-locally where the checkpoint allows (see the module docstring), else whole first."""
     from transformers import AutoConfig
 
     path = resolve_model_dir(name)
     files = _tensor_files(path)
-    config = AutoConfig.from_pretrained(path)
-    hf = _skeleton(config, files) if config.model_type in SUPPORTED_TYPES and files is not None else None
-    if hf is None:
+    skeleton = _skeleton(AutoConfig.from_pretrained(path), files) if files is not None else None
+    if skeleton is None:
         return load_whole_then_shard(name, compute_dtype, shard, device)
+    hf, sources = skeleton
     hub_cache.register(shown_name(name), path)
-    base = load_transformer(name, path, hf, _tokenizer(path), compute_dtype, "cpu")
-    sharded = base.shard(shard, device)
-    for i, module in enumerate(sharded.layers.layers):
-        # Storage for this rank's shards only, a layer at a time (FSDP2 copies each into its own padded storage).
-        module.to_empty(device=device)
-        keys = layer_checkpoint_keys(i)
-        for param_name, param in module.named_parameters():
-            _fill_rows(param.to_local(), files, keys[param_name], rank, ranks)
+    tokenizer = _tokenizer(path)
+    if hf.config.model_type in SUPPORTED_TYPES:
+        sharded = load_transformer(name, path, hf, tokenizer, compute_dtype, "cpu").shard(shard, device)
+        layers, names = sharded.layers.layers, layer_checkpoint_keys
+    else:
+        decoder_path, decoder = decoder_of(hf)
+        _admit_on_first_layers(name, hf, files, sources)
+        sharded = load_general(name, path, hf, tokenizer, compute_dtype, None, admitted=True).shard(shard, device)
+        layers = decoder.layers
+
+        def names(i: int) -> dict[str, str]:
+            return {n: f"{decoder_path}.layers.{i}.{n}" for n, _ in layers[i].named_parameters()}
+    for i, module in enumerate(layers):
+        hf_names = names(i)
+        _fill_layer(module, {n: sources[hf_names[n]] for n, _ in module.named_parameters()}, files, device, rank,
+                    ranks)
     return sharded
 
 
@@ -65,14 +79,20 @@ def load_whole_then_shard(name: str, compute_dtype: torch.dtype, shard: Callable
 
 
 def held_weights(base: BaseModel) -> list[torch.Tensor]:
-    """Every frozen weight a fast-family base holds in this process (a sharded one: its own shards of the layers),
-    e.g. to read them all, which makes weights resident that a load only mapped from their file."""
+    """Every frozen weight a base holds in this process (a sharded one: its own shards of the layers), e.g. to read
+    them all, which makes weights resident that a load only mapped from their file."""
+    if isinstance(base, GeneralModel):
+        return [base.embed, *(_local(p) for p in base.hf.parameters())]
     if isinstance(base.layers, nn.Module):
-        layers = [p.to_local() for p in base.layers.parameters()]
+        layers = [_local(p) for p in base.layers.parameters()]
     else:
         layers = [t for lw in base.layers for t in (lw.input_norm, lw.post_attn_norm, *lw.linear.values(),
                                                     *lw.bias.values())]
     return [base.embed, base.lm_head, base.final_norm, *layers]
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _tokenizer(path: Path):
@@ -96,44 +116,173 @@ def _tensor_files(path: Path) -> dict[str, Path] | None:
         return {k: single for k in f.keys()}
 
 
-def _read(files: dict[str, Path], key: str) -> torch.Tensor:
-    """The checkpoint tensor `key`, whole."""
+@dataclass(frozen=True)
+class _Stacked:
+    """A parameter that Hugging Face's loading builds from several checkpoint tensors, one per index of its dim 0
+    (a MoE layer's per-expert weights), by a converter that stacks them on dim 0 and then works on other dims
+    (e.g. concatenates gate and up on dim 1): its rows [a, b) are the converter's output for the tensors a..b-1."""
+
+    keys: dict[str, list[str]]  # the converter's source pattern -> its checkpoint keys, by index of dim 0
+    converter: object  # transformers' WeightConverter
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.keys.values())))
+
+
+# Where a parameter's values are in the checkpoint: its tensor's key, or a stack of tensors.
+Source = str | _Stacked
+
+
+def _sources(hf: nn.Module, files: dict[str, Path]) -> dict[str, Source] | None:
+    """Each checkpoint-held parameter and buffer of `hf` (by name) -> its source, through Hugging Face's own key
+    renames and converters for this model; None where a parameter's tensor has another shape or a converter does
+    more than stack tensors on dim 0 (it is then loaded whole)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, dot_natural_key,
+                                                 rename_source_key)
+
+    transforms = get_model_conversion_mapping(hf)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    held = hf.state_dict(keep_vars=True)
+    sources: dict[str, Source] = {}
+    stacks: dict[str, tuple[object, dict[str, list[str]]]] = {}
+    for key in sorted(files, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, hf.base_model_prefix, held)
+        if pattern is None:
+            sources[target] = key
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        first, *rest = converter.operations
+        if not (isinstance(first, MergeModulelist) and first.dim == 0
+                and all(isinstance(op, Concatenate) and op.dim != 0 for op in rest)):
+            return None
+        stacks.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(key)
+    sources.update({target: _Stacked(keys, converter) for target, (converter, keys) in stacks.items()})
+    shapes = _shapes(files)
+    for name, tensor in held.items():
+        source = sources.get(name)
+        if isinstance(source, str) and shapes[source] != tuple(tensor.shape):
+            return None
+        if isinstance(source, _Stacked) and source.rows != tensor.shape[0]:
+            return None
+    return sources
+
+
+def _read(files: dict[str, Path], source: Source, start: int = 0, count: int | None = None) -> torch.Tensor:
+    """Rows [start, start + count) (all by default) of a parameter from the checkpoint, reading only those: a
+    slice of its tensor, or the converter's output for the tensors of those rows."""
     from safetensors import safe_open
 
-    with safe_open(files[key], "pt") as f:
-        return f.get_tensor(key)
+    if isinstance(source, str):
+        with safe_open(files[source], "pt") as f:
+            rows = f.get_slice(source)
+            return rows[start:start + (count if count is not None else rows.get_shape()[0] - start)]
+    end = source.rows if count is None else start + count
+    tensors = {}
+    for pattern, keys in source.keys.items():
+        tensors[pattern] = []
+        for key in keys[start:end]:
+            with safe_open(files[key], "pt") as f:
+                tensors[pattern].append(f.get_tensor(key))
+    for op in source.converter.operations:
+        tensors = op.convert(tensors, source_patterns=source.converter.source_patterns,
+                             target_patterns=source.converter.target_patterns)
+    (out,) = tensors.values()
+    return out
 
 
-def _skeleton(config, files: dict[str, Path]) -> nn.Module | None:
-    """The Hugging Face model of `config` with its replicated weights read from the checkpoint and its decoder
-    layers' weights on the meta device (no storage); None where the checkpoint lacks one of those weights or the
-    model holds a buffer this does not compute (it is then loaded whole)."""
-    from transformers import AutoModelForCausalLM
+def _skeleton(config, files: dict[str, Path]) -> tuple[nn.Module, dict[str, Source]] | None:
+    """The Hugging Face model of `config` with its replicated parameters read from the checkpoint, its decoder
+    layers' parameters on the meta device (no storage) and its buffers computed, or copied where the checkpoint
+    holds them, and the source of each parameter (`_sources`); None where the checkpoint does not give every
+    parameter (it is then loaded whole)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    replicated = [n for n, _ in hf.named_parameters() if not n.startswith("model.layers.")]
-    if any(n not in files for n in replicated):
+    with init_empty_weights(include_buffers=False):
+        try:
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except ValueError:  # no causal-LM class: a vision-language checkpoint (as model.load_base_model)
+            if getattr(config, "vision_config", None) is None:
+                return None
+            hf = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    try:
+        decoder_path, _ = decoder_of(hf)
+    except ValueError:
         return None
-    for full_name in replicated:
-        owner, _, leaf = full_name.rpartition(".")
-        value = _read(files, full_name).float()
-        hf.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    if getattr(config, "tie_word_embeddings", False):
-        hf.lm_head.weight = hf.model.embed_tokens.weight
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # its tables, computed (not in the checkpoint)
-    return None if any(b.is_meta for b in hf.buffers()) else hf
+    sources = _sources(hf, files)
+    tied = getattr(hf, "all_tied_weights_keys", None) or {}  # tied unembedding -> its embedding, not in the file
+    if sources is None or any(n not in sources and n not in tied for n, _ in hf.named_parameters()):
+        return None
+    for name, _ in hf.named_parameters():
+        if name in sources and not name.startswith(f"{decoder_path}.layers."):
+            _assign(hf, name, _read(files, sources[name]))
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name in sources:
+                buffer.copy_(_read(files, sources[name]))
+    hf.tie_weights()
+    replicated_meta = [n for n, p in hf.named_parameters(remove_duplicate=False)
+                       if p.is_meta and not n.startswith(f"{decoder_path}.layers.")]
+    return None if replicated_meta else (hf, sources)
 
 
-def _fill_rows(local: torch.Tensor, files: dict[str, Path], key: str, rank: int, ranks: int) -> None:
-    """Fill this rank's shard `local` [r, ...] of a weight sharded on dim 0 (FSDP2: chunks of ceil(R / N) rows,
-    rank k's from row k * ceil(R / N)) with those rows of the checkpoint tensor."""
-    if local.numel() == 0:
-        return
+def _admit_on_first_layers(name: str, hf: nn.Module, files: dict[str, Path], sources: dict[str, Source]) -> None:
+    """general.admit on the shortest prefix of the decoder's layers holding one layer of each structure (its
+    modules' types and its entry in each per-layer list of the config), read whole for the check, then back on
+    meta."""
+    decoder_path, decoder = decoder_of(hf)
+    layers = decoder.layers
+    text = hf.config.get_text_config()
+    per_layer = [v for _, v in sorted(vars(text).items()) if isinstance(v, (list, tuple)) and len(v) == len(layers)]
+    kinds = [(tuple(type(m).__name__ for m in layer.modules()), tuple(v[i] for v in per_layer))
+             for i, layer in enumerate(layers)]
+    prefix = layers[:max(kinds.index(k) for k in set(kinds)) + 1]
+    for i, layer in enumerate(prefix):
+        for param_name, _ in list(layer.named_parameters()):
+            _assign(layer, param_name, _read(files, sources[f"{decoder_path}.layers.{i}.{param_name}"]))
+    decoder.layers = prefix
+    try:
+        admit(name, hf)
+    finally:
+        decoder.layers = layers
+        for layer in prefix:
+            for param_name, param in list(layer.named_parameters()):
+                _assign(layer, param_name, torch.empty_like(param, device="meta"))
+
+
+def _assign(module: nn.Module, full_name: str, value: torch.Tensor) -> None:
+    """Replace the parameter `full_name` of `module` by a frozen float32 one holding `value`."""
+    owner, _, leaf = full_name.rpartition(".")
+    module.get_submodule(owner)._parameters[leaf] = nn.Parameter(value.float(), requires_grad=False)
+
+
+def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's shape, from the safetensors headers."""
     from safetensors import safe_open
 
-    with safe_open(files[key], "pt") as f:
-        whole_rows = f.get_slice(key).get_shape()[0]
-        start = rank * -(-whole_rows // ranks)
-        with torch.no_grad():
-            local.copy_(f.get_slice(key)[start:start + local.shape[0]])
+    out = {}
+    for file in set(files.values()):
+        with safe_open(file, "pt") as f:
+            out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return out
+
+
+def _fill_layer(module: nn.Module, sources: dict[str, Source], files: dict[str, Path], device: torch.device,
+                rank: int, ranks: int) -> None:
+    """Give the sharded layer `module` storage for this rank's shards (FSDP2 copies each into its own padded
+    storage) and fill each parameter's [r, ...] with its rows of the checkpoint (FSDP2 shards dim 0 in chunks of
+    ceil(R / N) rows, rank k's from row k * ceil(R / N)); `sources`: parameter name -> its source. Its buffers,
+    which `to_empty` would leave undefined, are kept."""
+    buffers = {n: b.clone() for n, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(buffers[n])
+        for param_name, param in module.named_parameters():
+            local = param.to_local()
+            if local.numel():
+                whole_rows = param.shape[0]
+                local.copy_(_read(files, sources[param_name], rank * -(-whole_rows // ranks), local.shape[0]))

@@ -22,8 +22,7 @@ Checkpoints (`save_sharded_state`, `load_sharded_state`): each rank writes its s
 moments, read back onto any number of ranks or into one process (sharded_checkpoint.py).
 
 `spawn_ranks` starts N processes forming one group: gloo on the CPU (tested), NCCL with one CUDA device per
-rank (written, untested here: no GPU). Each rank reads only its shards of the layers (families/rank_local.py:
-the fast families; a general-path model is read whole, then sharded).
+rank (written, untested here: no GPU). Each rank reads only its shards of the layers (families/rank_local.py).
 
 Shape legend: D hidden, r LoRA rank, N ranks.
 """
