@@ -236,8 +236,8 @@ class GeneralModel(BaseModel):
         """This model (loaded on the CPU) with each of its decoder layers, and its embedding, sharded by `shard`
         (units of their own: no root unit over the stack, so a multimodal module that embeds the tokens itself
         gathers in the order the stack does) and the rest of the stack (final norm, rotary tables), a vision tower
-        and the unembedding on `device`. The model's own modules run as ever: a sharding wrapper gathers a unit's weights
-        around its forward and its backward."""
+        and the unembedding on `device`. The model's own modules run as ever: a sharding wrapper gathers a unit's
+        weights around its forward and its backward."""
         stack = self.decoder_stack
         embedding = stack.get_input_embeddings()
         for layer in stack.layers:

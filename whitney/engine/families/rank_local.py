@@ -23,8 +23,6 @@ Shape legend: N ranks, R rows of a weight (dim 0).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +31,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from whitney.engine.families import hub_cache
+from whitney.engine.families.checkpoint_tensors import (Source, assign, checkpoint_sources, read, read_into,
+                                                        tensor_files)
 from whitney.engine.families.decoder import BaseModel
 from whitney.engine.families.general import GeneralModel, admit, decoder_of, load_general
 from whitney.engine.families.model import SUPPORTED_TYPES, load_base_model, resolve_model_dir
@@ -47,7 +47,7 @@ def load_sharded(name: str, compute_dtype: torch.dtype, shard: Callable[[nn.Modu
     from transformers import AutoConfig
 
     path = resolve_model_dir(name)
-    files = _tensor_files(path)
+    files = tensor_files(path)
     skeleton = _skeleton(AutoConfig.from_pretrained(path), files) if files is not None else None
     if skeleton is None:
         return load_whole_then_shard(name, compute_dtype, shard, device)
@@ -101,102 +101,10 @@ def _tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _tensor_files(path: Path) -> dict[str, Path] | None:
-    """Checkpoint tensor name -> its safetensors file (one file, or a sharded checkpoint's index); None where the
-    checkpoint is not in safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if not single.exists():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {k: single for k in f.keys()}
-
-
-@dataclass(frozen=True)
-class _Stacked:
-    """A parameter that Hugging Face's loading builds from several checkpoint tensors, one per index of its dim 0
-    (a MoE layer's per-expert weights), by a converter that stacks them on dim 0 and then works on other dims
-    (e.g. concatenates gate and up on dim 1): its rows [a, b) are the converter's output for the tensors a..b-1."""
-
-    keys: dict[str, list[str]]  # the converter's source pattern -> its checkpoint keys, by index of dim 0
-    converter: object  # transformers' WeightConverter
-
-    @property
-    def rows(self) -> int:
-        return len(next(iter(self.keys.values())))
-
-
-# Where a parameter's values are in the checkpoint: its tensor's key, or a stack of tensors.
-Source = str | _Stacked
-
-
-def _sources(hf: nn.Module, files: dict[str, Path]) -> dict[str, Source] | None:
-    """Each checkpoint-held parameter and buffer of `hf` (by name) -> its source, through Hugging Face's own key
-    renames and converters for this model; None where a parameter's tensor has another shape or a converter does
-    more than stack tensors on dim 0 (it is then loaded whole)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, dot_natural_key,
-                                                 rename_source_key)
-
-    transforms = get_model_conversion_mapping(hf)
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    held = hf.state_dict(keep_vars=True)
-    sources: dict[str, Source] = {}
-    stacks: dict[str, tuple[object, dict[str, list[str]]]] = {}
-    for key in sorted(files, key=dot_natural_key):
-        target, pattern = rename_source_key(key, renamings, converters, hf.base_model_prefix, held)
-        if pattern is None:
-            sources[target] = key
-            continue
-        converter = next(c for c in converters if pattern in c.source_patterns)
-        first, *rest = converter.operations
-        if not (isinstance(first, MergeModulelist) and first.dim == 0
-                and all(isinstance(op, Concatenate) and op.dim != 0 for op in rest)):
-            return None
-        stacks.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(key)
-    sources.update({target: _Stacked(keys, converter) for target, (converter, keys) in stacks.items()})
-    shapes = _shapes(files)
-    for name, tensor in held.items():
-        source = sources.get(name)
-        if isinstance(source, str) and shapes[source] != tuple(tensor.shape):
-            return None
-        if isinstance(source, _Stacked) and source.rows != tensor.shape[0]:
-            return None
-    return sources
-
-
-def _read(files: dict[str, Path], source: Source, start: int = 0, count: int | None = None) -> torch.Tensor:
-    """Rows [start, start + count) (all by default) of a parameter from the checkpoint, reading only those: a
-    slice of its tensor, or the converter's output for the tensors of those rows."""
-    from safetensors import safe_open
-
-    if isinstance(source, str):
-        with safe_open(files[source], "pt") as f:
-            rows = f.get_slice(source)
-            return rows[start:start + (count if count is not None else rows.get_shape()[0] - start)]
-    end = source.rows if count is None else start + count
-    tensors = {}
-    for pattern, keys in source.keys.items():
-        tensors[pattern] = []
-        for key in keys[start:end]:
-            with safe_open(files[key], "pt") as f:
-                tensors[pattern].append(f.get_tensor(key))
-    for op in source.converter.operations:
-        tensors = op.convert(tensors, source_patterns=source.converter.source_patterns,
-                             target_patterns=source.converter.target_patterns)
-    (out,) = tensors.values()
-    return out
-
-
 def _skeleton(config, files: dict[str, Path]) -> tuple[nn.Module, dict[str, Source]] | None:
     """The Hugging Face model of `config` with its replicated parameters read from the checkpoint, its decoder
     layers' parameters on the meta device (no storage) and its buffers computed, or copied where the checkpoint
-    holds them, and the source of each parameter (`_sources`); None where the checkpoint does not give every
+    holds them, and the source of each parameter (checkpoint_tensors.py); None where the checkpoint does not give every
     parameter (it is then loaded whole)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -212,17 +120,12 @@ def _skeleton(config, files: dict[str, Path]) -> tuple[nn.Module, dict[str, Sour
         decoder_path, _ = decoder_of(hf)
     except ValueError:
         return None
-    sources = _sources(hf, files)
+    sources = checkpoint_sources(hf, files)
     tied = getattr(hf, "all_tied_weights_keys", None) or {}  # tied unembedding -> its embedding, not in the file
     if sources is None or any(n not in sources and n not in tied for n, _ in hf.named_parameters()):
         return None
-    for name, _ in hf.named_parameters():
-        if name in sources and not name.startswith(f"{decoder_path}.layers."):
-            _assign(hf, name, _read(files, sources[name]))
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name in sources:
-                buffer.copy_(_read(files, sources[name]))
+    replicated = [n for n, _ in hf.named_parameters() if n in sources and not n.startswith(f"{decoder_path}.layers.")]
+    read_into(hf, [*replicated, *(n for n, _ in hf.named_buffers() if n in sources)], files, sources)
     hf.tie_weights()
     replicated_meta = [n for n, p in hf.named_parameters(remove_duplicate=False)
                        if p.is_meta and not n.startswith(f"{decoder_path}.layers.")]
@@ -241,8 +144,7 @@ def _admit_on_first_layers(name: str, hf: nn.Module, files: dict[str, Path], sou
              for i, layer in enumerate(layers)]
     prefix = layers[:max(kinds.index(k) for k in set(kinds)) + 1]
     for i, layer in enumerate(prefix):
-        for param_name, _ in list(layer.named_parameters()):
-            _assign(layer, param_name, _read(files, sources[f"{decoder_path}.layers.{i}.{param_name}"]))
+        read_into(layer, [n for n, _ in layer.named_parameters()], files, sources, f"{decoder_path}.layers.{i}.")
     decoder.layers = prefix
     try:
         admit(name, hf)
@@ -250,24 +152,7 @@ def _admit_on_first_layers(name: str, hf: nn.Module, files: dict[str, Path], sou
         decoder.layers = layers
         for layer in prefix:
             for param_name, param in list(layer.named_parameters()):
-                _assign(layer, param_name, torch.empty_like(param, device="meta"))
-
-
-def _assign(module: nn.Module, full_name: str, value: torch.Tensor) -> None:
-    """Replace the parameter `full_name` of `module` by a frozen float32 one holding `value`."""
-    owner, _, leaf = full_name.rpartition(".")
-    module.get_submodule(owner)._parameters[leaf] = nn.Parameter(value.float(), requires_grad=False)
-
-
-def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor's shape, from the safetensors headers."""
-    from safetensors import safe_open
-
-    out = {}
-    for file in set(files.values()):
-        with safe_open(file, "pt") as f:
-            out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    return out
+                assign(layer, param_name, torch.empty_like(param, device="meta"))
 
 
 def _fill_layer(module: nn.Module, sources: dict[str, Source], files: dict[str, Path], device: torch.device,
@@ -285,4 +170,4 @@ def _fill_layer(module: nn.Module, sources: dict[str, Source], files: dict[str, 
             local = param.to_local()
             if local.numel():
                 whole_rows = param.shape[0]
-                local.copy_(_read(files, sources[param_name], rank * -(-whole_rows // ranks), local.shape[0]))
+                local.copy_(read(files, sources[param_name], rank * -(-whole_rows // ranks), local.shape[0]))

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from whitney.engine.families.checkpoint_tensors import checkpoint_sources, read_into, tensor_files
 from whitney.heap import release_memory
 from whitney.errors import InvalidInput
 from whitney.protocol.config import shown_name
@@ -142,22 +143,20 @@ class VisionModel:
 def load_vision(path, hf: torch.nn.Module, compute_dtype: torch.dtype, device) -> VisionModel | None:
     """The vision side of a checkpoint at `path` whose config has a vision tower and whose directory has an image
     processor, else None (served as text only). `hf` is the loaded causal LM (already on `device`): when it is the
-    text model alone (Qwen3.5), the full checkpoint is read and its language model replaced by hf's (the duplicate
-    and the full model's head are freed), so no text weight is held twice."""
+    text model alone (Qwen3.5), the checkpoint's multimodal module is built around hf's text modules
+    (`_around_text_model`), so no text weight is held twice."""
     cfg = hf.config
     if not any((path / f).exists() for f in ("preprocessor_config.json", "processor_config.json")):
         return None
-    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoImageProcessor
 
     full_cfg = AutoConfig.from_pretrained(path)
     if getattr(full_cfg, "vision_config", None) is None or full_cfg.model_type not in FAMILIES:
         return None
     if getattr(cfg, "vision_config", None) is not None:  # hf is the whole multimodal model (Gemma 3, Qwen3-VL)
         inner = hf.model
-    else:  # Qwen3.5: read the whole checkpoint, then share hf's text modules
-        full = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-        inner = full.model
-        inner.language_model = hf.model
+    else:  # Qwen3.5: the checkpoint's multimodal module around hf's text modules
+        inner = _around_text_model(path, full_cfg, hf)
         inner.to(device=device, dtype=compute_dtype)
     for p in inner.parameters():
         p.requires_grad_(False)
@@ -166,6 +165,30 @@ def load_vision(path, hf: torch.nn.Module, compute_dtype: torch.dtype, device) -
     if full_cfg.model_type == "gemma3":
         return VisionModel("gemma3", inner, processor, full_cfg.image_token_id, full_cfg.mm_tokens_per_image)
     return VisionModel("qwen", inner, processor, full_cfg.image_token_id)
+
+
+def _around_text_model(path, full_cfg, hf: torch.nn.Module) -> torch.nn.Module:
+    """The inner multimodal module of the checkpoint at `path` with hf's text model as its language model: built
+    with its parameters on the meta device and only its other weights (vision tower, merger) read from the
+    checkpoint; where the checkpoint's tensors do not map to them (checkpoint_tensors.py), the whole checkpoint is
+    read and its duplicate text weights and head freed."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForImageTextToText
+
+    files = tensor_files(path)
+    with init_empty_weights(include_buffers=False):
+        full = AutoModelForImageTextToText.from_config(full_cfg, dtype=torch.float32)
+    sources = checkpoint_sources(full, files) if files is not None else None
+    own = [n for n, _ in full.model.named_parameters() if not n.startswith("language_model.")]
+    if sources is None or any(f"model.{n}" not in sources for n in own):
+        full = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)  # its text weights dropped below
+    else:
+        buffers = [n for n, _ in full.model.named_buffers()
+                   if not n.startswith("language_model.") and f"model.{n}" in sources]
+        read_into(full.model, [*own, *buffers], files, sources, "model.")
+    inner = full.model
+    inner.language_model = hf.model
+    return inner
 
 
 def _subject(index: int | None) -> str:
