@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (0: any free port)")
     serve.add_argument("--data-dir", default=None, help="checkpoints and database (default ~/.local/share/whitney)")
     serve.add_argument("--db-url", default=None, help="SQLAlchemy URL (default: a SQLite file in the data dir)")
+    serve.add_argument("--ha", action="store_true",
+                       help="highly available: any number of processes started alike on one PostgreSQL --db-url "
+                            "(and one --data-dir they share) answer the API; one schedules at a time, under a lease "
+                            "another takes over when it dies (docs/DEPLOY.md)")
+    serve.add_argument("--lease-seconds", type=float, default=None, metavar="S",
+                       help="with --ha: the scheduling lease's length; a dead leader is replaced within about S "
+                            "seconds (default 5)")
     serve.add_argument("--api-key", action="append", default=[], help="required bearer key (repeatable)")
     serve.add_argument("--metrics-key", default=os.environ.get("WHITNEY_METRICS_KEY"),
                        help="the operator's bearer key for GET /metrics (server-wide: every tenant's runs); with API "
@@ -301,8 +308,16 @@ def backend_config(args) -> dict:
         from whitney.backends.ray.placement import Placement  # torch-free
 
         resources[model] = Placement.parse_resources(items)
+    if args.lease_seconds is not None and not args.ha:
+        raise InvalidInput("--lease-seconds sets the lease of a highly available service: it needs --ha")
+    if args.lease_seconds is not None and not 0.5 <= args.lease_seconds <= 3600:
+        raise InvalidInput(f"--lease-seconds must be from 0.5 to 3600, got {args.lease_seconds:g}")
+    if args.ha and not (args.db_url or "").startswith("postgresql"):
+        raise InvalidInput("--ha needs a PostgreSQL --db-url (postgresql+psycopg://...): its processes share the "
+                           "database, its lease and its notifications")
+    lease = (args.lease_seconds or 5.0) if args.ha else None
     return dict(backend=args.backend, ray_address=args.ray_address, samplers=samplers,
-                worker_resources=resources)
+                worker_resources=resources, ha_lease_seconds=lease)
 
 
 # ---- per-request limits -------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def serve(config, host: str, port: int, log_level: str) -> int:
     except WhitneyError as e:  # e.g. --device cuda without CUDA, a model that is not there
         print(f"whitney serve: {e.message}", file=sys.stderr)
         return 2
-    scheduler = app.state.whitney.scheduler
+    member = app.state.whitney.member  # a highly available service's member (service/cluster), or None
+    scheduler = app.state.whitney.scheduler if member is None else member.scheduler  # this process's own
     try:
         server = serve_in_thread(app, host, port, log_level=log_level)
     except RuntimeError as e:  # the port was taken while the models loaded
@@ -63,9 +64,20 @@ def serve(config, host: str, port: int, log_level: str) -> int:
     stopping = threading.Event()
     on_signals((signal.SIGINT, signal.SIGTERM), stop)
     # Should the HTTP thread ever end on its own, stop the worker too rather than serve nothing.
-    threading.Thread(target=lambda: (server.thread.join(), scheduler.stop()), daemon=True).start()
+    threading.Thread(target=lambda: (server.thread.join(), scheduler.stop(), stopping.set()), daemon=True).start()
     try:
-        scheduler.run()
+        if member is not None:  # a highly available member: it schedules once it leads (service/cluster)
+            member.url = server.url
+            print(f"Whitney is a member of a highly available service (lease {config.ha_lease_seconds:g} s): "
+                  "it schedules once it holds the lease", flush=True)
+            while not (member.elected.wait(0.5) or stopping.is_set()):
+                pass
+            if not stopping.is_set():
+                print("Whitney leads scheduling now", flush=True)
+                member.lead(start_scheduler=False)
+                scheduler.run()
+        else:
+            scheduler.run()
     finally:
         server.stop()
     print("Whitney stopped.", flush=True)

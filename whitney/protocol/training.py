@@ -148,7 +148,7 @@ class ForwardRequest:
     data: list[Datum]
     loss_fn: str = "cross_entropy"
     loss_config: dict = field(default_factory=dict)
-    base_model: str | None = None  # only when run_id is None
+    base_model: str | None = None  # with no run; with one, only to validate it where the run is not held
     # forward_backward of one micro-batch of a larger operation: its gradient is added to the run's
     # staging area of this name, not to the accumulator (see Engine.commit_gradients).
     stage: str | None = None

@@ -74,6 +74,9 @@ class ServiceConfig:
     # Ray resources of each model's workers, by the name it is given or served under, e.g.
     # {"tiny": {"cpus": 2, "gpus": 1, "node_a": 1}}; default one CPU each.
     worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Highly available (service/cluster): any number of processes on one PostgreSQL database answer the API, one
+    # of them scheduling at a time under a lease of this many seconds (None: this process alone schedules).
+    ha_lease_seconds: float | None = None
 
 
 def create_app(config: ServiceConfig, backend: ServedBackend | None = None,
@@ -91,7 +94,8 @@ def create_app(config: ServiceConfig, backend: ServedBackend | None = None,
                            field="metrics_key")
     metrics = Metrics(config.metrics_key)
     store = Store(config.db_url or f"sqlite:///{data_dir / 'whitney.db'}", observer=metrics.operation_ended)
-    store.recover_after_restart()
+    if config.ha_lease_seconds is None:  # else the next leader takes over what the last one left (cluster/inbox.py)
+        store.recover_after_restart()
     remove_leftovers(data_dir / "packages")  # half-written checkpoints of a killed process
     # A model served from a directory goes by the directory's name, so no route shows a server path; the
     # path as given still names it. The engine holds the one loaded model under both names.
@@ -102,22 +106,34 @@ def create_app(config: ServiceConfig, backend: ServedBackend | None = None,
         backend = start_backend(config, shown)
     scheduler = Scheduler(backend, store, data_dir, config.limits.max_batch_tokens, config.session_timeout,
                           expiry_interval=config.expiry_interval)
+    member = None
+    if config.ha_lease_seconds is not None:
+        from whitney.service.cluster.member import Member
+
+        member = Member(store, scheduler, config.ha_lease_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if worker_thread:
+        if member is not None:
+            member.start()
+            if worker_thread:  # it schedules once it leads
+                threading.Thread(target=lambda: member.elected.wait() and member.lead(start_scheduler=True),
+                                 name="whitney-lead", daemon=True).start()
+        elif worker_thread:
             scheduler.start()
         yield
+        if member is not None:
+            member.stop()
         scheduler.stop()
         backend.close()
 
     app = new_app(title="Whitney", version="0.1.0", lifespan=lifespan,
                   description="Fine-tuning through training primitives: many LoRA runs on one base model.")
     keys = KeyRing(store, list(config.api_keys), config.require_keys)
-    app.state.whitney = ServiceState(store, scheduler, shown, keys, data_dir, config.limits,
-                                     Quotas(store, keys, config.key_limits, backend),
+    app.state.whitney = ServiceState(store, scheduler if member is None else member.dispatch, shown, keys, data_dir,
+                                     config.limits, Quotas(store, keys, config.key_limits, backend),
                                      {name: public for name, public in zip(config.models, shown) if name != public},
-                                     metrics)
+                                     metrics, member)
     metrics.watch(app.state.whitney)
     for module in (capabilities, sessions, operations, custom_losses, sampling, checkpoints, openai, run_metrics,
                    run_samples):

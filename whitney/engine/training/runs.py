@@ -210,10 +210,11 @@ class Engine:
 
     def validate(self, request: ForwardRequest, backward: bool) -> Checked:
         """Check a request without running it (safe from another thread: it reads the run's base model only,
-        never pages the run in); return each datum's positions and cost (requests.CheckedRequest.checked)."""
+        never pages the run in; a request naming its base model too is checked on that model, whether this engine
+        holds the run or not); return each datum's positions and cost (requests.CheckedRequest.checked)."""
         if request.run_id is not None and request.run_id in self.pager.lost:  # its paged-out state (paging.py)
             raise Conflict(self.pager.lost[request.run_id], field="run_id")
-        base = (self._find_run(request.run_id).base if request.run_id is not None
+        base = (self._find_run(request.run_id).base if request.run_id is not None and request.base_model is None
                 else self.load_model(request.base_model or DEFAULT_MODEL))
         return check_request(request, backward, base.config.vocab_size, base.config.max_context,
                              vision.expander(base)).checked()

@@ -49,6 +49,35 @@ class ServiceState:
     # accepted too (it names the same model), but never shown.
     model_aliases: dict[str, str] = field(default_factory=dict)
     metrics: Metrics = field(default_factory=Metrics)  # GET /metrics (whitney.service.http.metrics)
+    # A highly available service's member (service/cluster/member.py): its jobs are stored with their operations.
+    member: object | None = None
+
+    def payload(self, job) -> bytes | None:
+        """What to store with a queued operation: its job where several processes share the database (whichever
+        leads runs it), else nothing (this process's scheduler is handed the job itself)."""
+        if self.member is None:
+            return None
+        from whitney.service.cluster.payloads import encode
+
+        return encode(job)
+
+    def forward_check(self, run_id: str, data: list, loss_fn: str, config: dict):
+        """The ForwardRequest Backend.validate checks for a run's forward: the run's own; on a member of a highly
+        available service, whose engine holds no run (the leader's does), the same datums on the run's base model
+        (all validation reads of a run)."""
+        from whitney.protocol.training import ForwardRequest
+
+        if self.member is None:
+            return ForwardRequest(run_id, data, loss_fn, config)
+        return ForwardRequest(run_id, data, loss_fn, config, base_model=self.store.get_run(run_id).base_model)
+
+    def check_streaming(self) -> None:
+        """Unavailable (503) where this process cannot stream a sample: a follower of a highly available service."""
+        if self.member is not None and not self.member.dispatch.streams:
+            from whitney.errors import Unavailable
+
+            raise Unavailable("streaming samples are served by the scheduling leader; retry (GET /healthz says "
+                              "which process leads)", field="stream")
 
     def serves(self, base_model: str | None) -> bool:
         return base_model in self.models or base_model in self.model_aliases

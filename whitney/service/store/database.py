@@ -54,6 +54,10 @@ class Store:
         migrate(self.engine)
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         self.at_end: dict[str, Callable] = {}  # op id -> fn(status, result) -> result, run as it ends (packages.py)
+        # Set by a highly available service (service/cluster/wiring.py): `queued(conn, op_id, payload)` in the
+        # transaction that queues an operation, `ended(conn, op_ids)` in the one that ends operations.
+        self.queued: Callable[[object, str, bytes | None], None] | None = None
+        self.ended: Callable[[object, list[str]], None] | None = None
 
     @contextmanager
     def tx(self):
@@ -209,7 +213,7 @@ class Store:
 
     def submit_operation(self, owner: str, run_id: str | None, seq_id: int | None, kind: OperationKind,
                          body_digest: str, admit: Callable[[object], None] | None = None,
-                         config: dict | None = None) -> tuple[OperationRecord, bool]:
+                         config: dict | None = None, payload: bytes | None = None) -> tuple[OperationRecord, bool]:
         """Queue (run, seq_id), or return the existing operation if the same body was sent before.
 
         Returns (operation, created). The run must be the owner's (NotFound). A run that is not active
@@ -219,7 +223,8 @@ class Store:
         step, so concurrent submissions never pass a limit together); raising refuses it and nothing is
         stored. Sampling operations pass run_id/seq_id None
         and are never deduplicated. `config` is kept beside a new operation (what the console's configuration
-        panel shows: a forward's loss, an optim_step's hyperparameters); a retry keeps the first one's.
+        panel shows: a forward's loss, an optim_step's hyperparameters); a retry keeps the first one's. `payload`:
+        its job, stored with it where several processes share the database (`queued`).
 
         `admit` reads the store only through the connection it is given (another from the pool could wait on
         this one's lock). The unique (run, seq_id) constraint is what makes a racing retry safe.
@@ -241,10 +246,12 @@ class Store:
             if admit is None:
                 with self.engine.begin() as conn:
                     conn.execute(_INSERT_OPERATION, [row])
+                    self._queued(conn, row["id"], payload)
             else:
                 with self.quota_tx(owner) as conn:
                     admit(conn)
                     conn.execute(_INSERT_OPERATION, [row])
+                    self._queued(conn, row["id"], payload)
             return OperationRecord(**row), True
         except IntegrityError:  # the same (run, seq_id) committed by a racing request
             with self.engine.connect() as conn:
@@ -311,10 +318,20 @@ class Store:
             for op_id, status, result, error, values in rows:
                 ended.append(started.get(op_id) if status == OperationStatus.RUNNING else conn.execute(
                     _MOVE[status], values).first())
+            self._ended(conn, [op_id for (op_id, status, *_), row in zip(rows, ended)
+                               if row is not None and status in OPERATION_TERMINAL])
         for (_, status, result, error, values), row in zip(rows, ended):
             if row is not None and status in OPERATION_TERMINAL:
                 self._observe(row.kind, status, row.created_at, row.started_at, values["finished_at"], result, error)
         return [row is not None for row in ended]
+
+    def _queued(self, conn, op_id: str, payload: bytes | None) -> None:
+        if self.queued is not None:
+            self.queued(conn, op_id, payload)
+
+    def _ended(self, conn, op_ids: list[str]) -> None:
+        if self.ended is not None and op_ids:
+            self.ended(conn, op_ids)
 
     def _observe(self, *ended) -> None:
         if self.observer is not None:
@@ -331,6 +348,7 @@ class Store:
                                                               OperationRow.status == OperationStatus.QUEUED)))
             for row in rows:
                 row.status, row.finished_at, row.error = status, time.time(), error
+            self._ended(db, [row.id for row in rows])
         for row in rows:
             self.at_end.pop(row.id, lambda *_: None)(status, None)
             self._observe(row.kind, status, row.created_at, None, row.finished_at, None, error)

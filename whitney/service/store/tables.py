@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
-                        false)
+from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
+                        UniqueConstraint, false)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -169,3 +169,42 @@ class CustomLossRow(Base):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+# ---- several API processes over one database (service/cluster) ----
+
+
+class LeaseRow(Base):
+    """A lease one process holds at a time, renewed before it expires (service/cluster/lease.py): the scheduling
+    leader's. `token` rises with every new holder: the fencing token every write of the holder is checked against.
+    Times are the database's clock (seconds since the epoch), never a process's."""
+
+    __tablename__ = "leases"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    token: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[float] = mapped_column(Float(precision=53))
+    url: Mapped[str | None] = mapped_column(Text, nullable=True)  # where the holder serves HTTP (shown by /healthz)
+
+
+class PayloadRow(Base):
+    """What a queued operation asks the backend to do (its typed job, service/cluster/payloads.py), stored with it so
+    that whichever process schedules runs it; deleted once the operation ends."""
+
+    __tablename__ = "operation_payloads"
+    op_id: Mapped[str] = mapped_column(ForeignKey("operations.id"), primary_key=True)
+    job: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class LeaderCallRow(Base):
+    """A call an API process asks the scheduling leader to make (create a run's adapter, finish or cancel a run,
+    cancel a sample: service/cluster/calls.py), and its answer."""
+
+    __tablename__ = "leader_calls"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    args: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # queued | running | done | failed
+    answer: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # an error: {class, message, field}
+    created_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)

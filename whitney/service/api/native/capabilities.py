@@ -78,6 +78,12 @@ def metrics(st: State, authorization: Annotated[str | None, Header()] = None,
 
 
 @health.get("/healthz")
-def healthz() -> dict:
-    """Answers without an API key, and says nothing else."""
-    return {"status": "ok"}
+def healthz(st: State) -> dict:
+    """Answers without an API key. A member of a highly available service adds its role ("leader" schedules,
+    a "follower" answers the API and waits to take over) and where the leader serves, if it said."""
+    member = st.member
+    if member is None:
+        return {"status": "ok"}
+    leader = member.leader()
+    return {"status": "ok", "role": member.role, "leader": None if leader is None else leader.url,
+            "lease_seconds_left": None if leader is None else round(leader.seconds_left, 3)}

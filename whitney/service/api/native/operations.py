@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import Conflict, InvalidInput
 from whitney.protocol.backend import PackageKind
-from whitney.protocol.training import AdamParams, ForwardRequest
+from whitney.protocol.training import AdamParams
 from whitney.service.api import images
 from whitney.service.api.native import schemas
 from whitney.service.http.deps import Owner, ServiceState, State, new_router
@@ -45,7 +45,8 @@ def enqueue(st: ServiceState, who: str, run_id: str, seq_id: int, kind: str, bod
     # A load counts as the checkpoint's reader until it ends, so the TTL reaper never deletes it first (packages.py).
     op, created = reading(st.store, job.path if isinstance(job, LoadJob) else None, lambda: st.store.submit_operation(
         who, run_id, seq_id, kind, body_digest,
-        admit=lambda conn: st.quotas.admit_operation(who, run_id, seq_id, tokens, conn), config=shown_config(job)))
+        admit=lambda conn: st.quotas.admit_operation(who, run_id, seq_id, tokens, conn), config=shown_config(job),
+        payload=st.payload(job) if job is not None else None))
     if created and job is not None:
         st.scheduler.submit(op, job)
     return op
@@ -91,7 +92,7 @@ def _forward(st: ServiceState, who: str, run_id: str, body: schemas.ForwardPaylo
     heavy = body.loss_function == custom_losses.CUSTOM or with_images is not None
     try:
         checked = run_checked(st.quotas, who, counted, heavy, st.scheduler.backend.validate,
-                              ForwardRequest(run_id, data, body.loss_function, config), backward)
+                              st.forward_check(run_id, data, body.loss_function, config), backward)
     except InvalidInput as e:
         if e.field == "loss_fn":  # the engine's name; on the wire it is loss_function
             e.field = "loss_function"

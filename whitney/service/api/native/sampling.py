@@ -9,6 +9,7 @@ from whitney.protocol.backend import PackageKind, Weights
 from whitney.protocol.sampling import SamplingParams, validate
 from whitney.service.api import images
 from whitney.service.api.native import schemas
+from whitney.service.cluster.payloads import SampleJob, ScoreJob
 from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.http.heavy import run_checked
 from whitney.service.scheduling.limits import check_operation, check_stops
@@ -104,7 +105,8 @@ def start_sample(st: ServiceState, who: str, ref: schemas.WeightsRef, prompt: li
     # reader until the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
         who, None, None, OperationKind.SAMPLE, "", admit=lambda conn: st.quotas.admit_operation(who, None, None, 0,
-                                                                                              conn)))
+                                                                                              conn),
+        payload=st.payload(SampleJob(prompt, params, weights))))
     st.scheduler.submit_sample(op, prompt, params, weights)
     return op
 
@@ -149,6 +151,7 @@ def compute_logprobs(body: schemas.LogprobsRequest, st: State, who: Owner):
     # the operation ends: the TTL reaper waits (packages.py).
     op, _ = reading(st.store, weights.checkpoint_path, lambda: st.store.submit_operation(
         who, None, None, OperationKind.COMPUTE_LOGPROBS, "",
-        admit=lambda conn: st.quotas.admit_operation(who, None, None, sum(lengths), conn)))
+        admit=lambda conn: st.quotas.admit_operation(who, None, None, sum(lengths), conn),
+        payload=st.payload(ScoreJob(sequences, weights))))
     st.scheduler.submit_logprobs(op, sequences, weights)
     return op

@@ -32,6 +32,7 @@ from whitney.service.api.native.sampling import resolve
 from whitney.service.api.native.schemas import WeightsRef
 from whitney.service.api.openai import schemas as wire
 from whitney.service.api.openai.text import TextStream
+from whitney.service.cluster.payloads import SampleJob
 from whitney.service.api.tinker.common import parse_path, resolve_path
 from whitney.service.http.deps import Owner, ServiceState, State, new_router
 from whitney.service.scheduling.limits import check_stops
@@ -159,8 +160,11 @@ def start(st: ServiceState, who: str, body: wire.Sampling, chat: bool) -> Starte
                                field="max_tokens")
     except WhitneyError as e:
         raise renamed(e, fields) from None
+    if body.stream:
+        st.check_streaming()
     op, _ = st.store.submit_operation(who, None, None, OperationKind.SAMPLE, "",  # 429 over the key's queued ops
-                                      admit=lambda conn: st.quotas.admit_operation(who, None, None, 0, conn))
+                                      admit=lambda conn: st.quotas.admit_operation(who, None, None, 0, conn),
+                                      payload=None if body.stream else st.payload(SampleJob(prompt, params, weights)))
     listener = st.scheduler.submit_sample(op, prompt, params, weights, stream=bool(body.stream))
     return Started(op.id, body.model, base_model, prompt, n, stops, listener, int(time.time()))
 

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from whitney.errors import InvalidInput, WhitneyError
 from whitney.protocol.backend import Failure, PackageKind
-from whitney.protocol.training import AdamParams, Checked, ForwardRequest
+from whitney.protocol.training import AdamParams, Checked
 from whitney.service.api import images
 from whitney.service.api.native import schemas
 from whitney.service.api.native.operations import enqueue
@@ -190,7 +190,7 @@ def _heavy_check(st: ServiceState, who: str, req: proto.ForwardBackwardRequest, 
     its tokens are counted when it is queued): each datum's positions (images expanded) and cost; an image whose
     expected_tokens the processor does not give, or a graph over its budget, is the engine's InvalidInput."""
     return run_checked(st.quotas, who, 0, True, st.scheduler.backend.validate,
-                       ForwardRequest(req.model_id, data, req.loss_fn, config), not req.forward_only)
+                       st.forward_check(req.model_id, data, req.loss_fn, config), not req.forward_only)
 
 
 class OptimStep(TinkerBody):

@@ -1,0 +1,133 @@
+"""The leader's side: what it does once it holds the lease (`take_over`), then the operations and calls it takes
+from the database (`Inbox`), woken by their notifications.
+
+Taking over, the new leader ends what the former one left half done, in one transaction carrying its fence:
+  - a live run its backend does not hold (an in-process engine's runs died with the former leader; a Ray trainer
+    that still lives holds its own) is interrupted, as a run lost with its worker is: its queued and running
+    operations fail with worker_lost, and the client resumes it from a checkpoint with a new run;
+  - an operation that was running ends exactly once: the former leader stored its result (it succeeded), or it
+    fails with worker_lost (its run, if it has one, is interrupted above or here, since what it did to the run's
+    state is unknown);
+  - a queued operation stored without its job (a streaming sample, which lived on the former leader's
+    connection) fails with worker_lost;
+  - a leader call it was making fails with Unavailable (calls.py; the caller retries).
+Every other queued operation is the new leader's to run, in seq_id order per run, as its Inbox reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sqlalchemy import text
+
+from whitney.protocol.backend import WorkerLost
+from whitney.service.cluster.calls import LeaderSide, fail_running
+from whitney.service.cluster.payloads import SampleJob, ScoreJob, decode
+from whitney.service.scheduling.scheduler import Scheduler
+from whitney.service.store.database import Store
+from whitney.service.store.records import OperationRecord, record
+
+log = logging.getLogger(__name__)
+_QUEUED_JOB = text("SELECT o.*, p.job FROM operations o JOIN operation_payloads p ON p.op_id = o.id "
+                   "WHERE o.id = :id AND o.status = 'queued'")
+
+LOST = {"code": WorkerLost.code, "category": "server",
+        "message": "the scheduling leader running this operation stopped before storing its result"}
+RUN_LOST = "its scheduling leader stopped and its state did not survive; resume from the newest checkpoint with a new run"
+
+
+def take_over(store: Store, held_runs: set[str]) -> dict[str, int]:
+    """End what the former leader left half done (see the module docstring); how many of each were ended."""
+    now = time.time()
+    with store.engine.begin() as conn:
+        running = conn.execute(text("SELECT id, run_id FROM operations WHERE status = 'running'")).all()
+        stranded = conn.execute(text(
+            "SELECT o.id FROM operations o LEFT JOIN operation_payloads p ON p.op_id = o.id "
+            "WHERE o.status = 'queued' AND p.op_id IS NULL")).all()
+        lost_runs = {r for (r,) in conn.execute(text(
+            "SELECT id FROM runs WHERE status IN ('active', 'finishing')")).all() if r not in held_runs}
+        lost_runs |= {run_id for _, run_id in running if run_id is not None}
+        ended = [op_id for op_id, _ in running] + [op_id for (op_id,) in stranded]
+        if lost_runs:
+            ended += [op_id for (op_id,) in conn.execute(text(
+                "SELECT id FROM operations WHERE status = 'queued' AND run_id = ANY(:runs)"),
+                {"runs": list(lost_runs)}).all()]
+        ended = sorted(set(ended))
+        for op_id in ended:
+            conn.execute(text("UPDATE operations SET status = 'failed', error = :error, finished_at = :now "
+                              "WHERE id = :id AND status IN ('queued', 'running')"),
+                         {"id": op_id, "error": _json(LOST), "now": now})
+        for run_id in lost_runs:
+            conn.execute(text("UPDATE runs SET status = 'interrupted', error = :error WHERE id = :id "
+                              "AND status IN ('active', 'finishing')"), {"id": run_id, "error": RUN_LOST})
+        store._ended(conn, ended)
+        fail_running(conn)
+    counts = {"operations_failed": len(ended), "runs_interrupted": len(lost_runs)}
+    log.info("took over scheduling: %s", counts)
+    return counts
+
+
+class Inbox:
+    """Queued operations read with their jobs and handed to the scheduler (each once), and leader calls made; run
+    whenever a submission's notification arrives (`wake`) and once on start."""
+
+    def __init__(self, store: Store, scheduler: Scheduler, calls: LeaderSide):
+        self.store = store
+        self.scheduler = scheduler
+        self.calls = calls
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._known: set[str] = set()  # queued operations already handed over
+        self._thread = threading.Thread(target=self._run, name="whitney-inbox", daemon=True)
+
+    def start(self) -> None:
+        self._wake.set()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self, _payload: str = "") -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.calls.take()
+                self.take()
+            except Exception:
+                log.exception("reading submitted work failed; again at the next submission")
+
+    def take(self) -> None:
+        """Hand the scheduler every queued operation it has not had, oldest first."""
+        with self.store.engine.connect() as conn:
+            queued = [op_id for (op_id,) in conn.execute(text(
+                "SELECT o.id FROM operations o JOIN operation_payloads p ON p.op_id = o.id "
+                "WHERE o.status = 'queued' ORDER BY o.created_at"))]
+            new = [op_id for op_id in queued if op_id not in self._known]
+            rows = [conn.execute(_QUEUED_JOB, {"id": op_id}).first() for op_id in new]
+        for row in rows:
+            if row is None:  # it ended meanwhile
+                continue
+            job = decode(bytes(row.job))
+            operation = record(OperationRecord, row)
+            if isinstance(job, SampleJob):
+                self.scheduler.submit_sample(operation, job.prompt, job.params, job.weights)
+            elif isinstance(job, ScoreJob):
+                self.scheduler.submit_logprobs(operation, job.sequences, job.weights)
+            else:
+                self.scheduler.submit(operation, job)
+        self._known = set(queued)
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value)
