@@ -24,9 +24,10 @@ from sqlalchemy import text
 
 from whitney.protocol.backend import WorkerLost
 from whitney.service.cluster.calls import LeaderSide, fail_running
-from whitney.service.cluster.payloads import SampleJob, ScoreJob, decode
+from whitney.service.cluster.payloads import SampleJob, ScoreJob, decode, package_read
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.store.database import Store
+from whitney.service.store.packages import release, release_at_end
 from whitney.service.store.records import OperationRecord, record
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,13 @@ def take_over(store: Store, held_runs: set[str]) -> dict[str, int]:
         for run_id in lost_runs:
             conn.execute(text("UPDATE runs SET status = 'interrupted', error = :error WHERE id = :id "
                               "AND status IN ('active', 'finishing')"), {"id": run_id, "error": RUN_LOST})
+        reads = [package_read(decode(bytes(job))) for (job,) in conn.execute(text(
+            "SELECT job FROM operation_payloads WHERE op_id = ANY(:ids)"), {"ids": ended}).all()] if ended else []
         store._ended(conn, ended)
         fail_running(conn)
+    for path in reads:  # their readers were counted by the routes that queued them, and never released
+        if path is not None:
+            release(store, path)
     counts = {"operations_failed": len(ended), "runs_interrupted": len(lost_runs)}
     log.info("took over scheduling: %s", counts)
     return counts
@@ -118,6 +124,8 @@ class Inbox:
                 continue
             job = decode(bytes(row.job))
             operation = record(OperationRecord, row)
+            if (path := package_read(job)) is not None:  # the route counted its reader; released as it ends here
+                release_at_end(self.store, operation.id, path)
             if isinstance(job, SampleJob):
                 self.scheduler.submit_sample(operation, job.prompt, job.params, job.weights)
             elif isinstance(job, ScoreJob):

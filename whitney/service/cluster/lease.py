@@ -52,8 +52,9 @@ def renew(engine: Engine, holder: str, token: int, seconds: float, url: str | No
     expired meanwhile); False once it was taken."""
     with engine.begin() as conn:
         return conn.execute(text(
-            f"UPDATE leases SET expires_at = {_now(engine)} + :s, url = :url WHERE name = :name AND holder = :holder "
-            "AND token = :token"), {"name": name, "holder": holder, "token": token, "s": seconds, "url": url}
+            f"UPDATE leases SET expires_at = {_now(engine)} + :s, url = COALESCE(:url, url) WHERE name = :name "
+            "AND holder = :holder AND token = :token"),
+            {"name": name, "holder": holder, "token": token, "s": seconds, "url": url}
         ).rowcount == 1
 
 

@@ -136,6 +136,7 @@ class Member:
         if payload.startswith(CALL):
             self.caller.answered(payload[len(CALL):])
         else:
+            self.store.at_end.pop(payload, None)  # a route's hook here: the process that ended it ran its own
             self.dispatch.ends.notify(payload)
 
 

@@ -49,6 +49,15 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a stored payload names {module}.{name}, which is not a job's type")
 
 
+def package_read(payload: Payload) -> str | None:
+    """The path of the model package the operation reads while it runs (counted as its reader: packages.reading)."""
+    if isinstance(payload, LoadJob):
+        return payload.path
+    if isinstance(payload, (SampleJob, ScoreJob)):
+        return payload.weights.checkpoint_path
+    return None
+
+
 def encode(payload: Payload) -> bytes:
     return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 

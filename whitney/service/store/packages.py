@@ -129,6 +129,11 @@ def release(store: Store, path: str) -> None:
                    .values(readers=PackageRow.readers - 1))
 
 
+def release_at_end(store: Store, op_id: str, path: str) -> None:
+    """The operation's reader of the package at `path` released as it ends (in the process that ends it)."""
+    store.at_end[op_id] = lambda status, result: (release(store, path), result)[1]
+
+
 def gone(path: str) -> NotFound:
     return NotFound(f"the checkpoint at {Path(path).name} has expired or was deleted", field="checkpoint_id")
 
@@ -148,7 +153,7 @@ def reading(store: Store, path: str | None,
         release(store, path)
         raise
     if created and op.status == OperationStatus.QUEUED:
-        store.at_end[op.id] = lambda status, result: (release(store, path), result)[1]
+        release_at_end(store, op.id, path)
     else:  # a retry of an operation recorded before: its own reader, if any, is counted already
         release(store, path)
     return op, created
