@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.service.test_flow import ADAM, LORA, expect, fb_body, sft_batch
+from tests.tinker.helpers import arrays, tinker_data
 from whitney.service.cluster import lease
 from whitney.service.store.database import Store
 
@@ -176,9 +177,23 @@ def test_a_killed_leader_is_replaced_and_nothing_acknowledged_is_lost(members):
     assert settle(follower.http, op["id"])["result"]["metrics"]["step"] == 4
 
 
-def test_a_leader_stalled_past_its_lease_writes_nothing_once_resumed(members):
+def test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_nothing(members, tiny_llama):
+    import tinker
+    from tinker import types
+
     a, b = members(2)
     leader, follower = (a, b) if a.role() == "leader" else (b, a)
+    # The SDK, unmodified, pointed at the follower: run creation is a leader call, futures are long-polled there.
+    client = tinker.ServiceClient(base_url=follower.url, api_key="tml-ha")
+    trainer = client.create_lora_training_client(base_model=tiny_llama, rank=4, seed=1).result()
+    first = trainer.forward_backward(tinker_data(arrays("cross_entropy")), "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    again = trainer.forward_backward(tinker_data(arrays("cross_entropy")), "cross_entropy").result()
+    assert again.metrics["loss:sum"] < first.metrics["loss:sum"]
+    sampler = trainer.save_weights_and_get_sampling_client("ha").result()
+    sample = sampler.sample(types.ModelInput.from_ints([1, 17, 250]), 1, types.SamplingParams(max_tokens=3, seed=0))
+    assert len(sample.result().sequences[0].tokens) == 3
+
     session = expect(follower.http.post("/v1/sessions", json={}), 201)
     run = expect(follower.http.post(f"/v1/sessions/{session['id']}/runs", json={"lora": LORA}), 201)["id"]
     long = expect(follower.http.post(f"/v1/runs/{run}/forward_backward", json=fb_body(0, big_batch())), 202)
