@@ -47,6 +47,10 @@ HEAVY = {
     "engine/test_rank_local.py": "gloo ranks in processes of their own, and a 134 MB model",
     "engine/test_vision_ray.py": "a local Ray cluster",
     "service/test_fuzz.py": "schemathesis over every route",
+    "service/test_ha.py::test_a_killed_leader_is_replaced_and_nothing_acknowledged_is_lost": "two `whitney serve` "
+    "processes, one killed",
+    "service/test_ha.py::test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_nothing": "two "
+    "`whitney serve` processes, one stalled past its lease",
     "test_seed_command.py": "the seed's script end to end",
     "tinker/test_quickstart_doc.py": "the quickstart against `whitney serve` in subprocesses",
     "test_cli.py::test_serve_prints_its_url_and_requires_the_api_key": "`whitney serve` in a subprocess",
@@ -164,3 +168,23 @@ def vllm_python() -> str:
 def vllm_tiny(tmp_path_factory) -> str:
     """A 2-layer random Llama (hidden 64, two heads of 32, tied embeddings) with the SmolLM2 tokenizer."""
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "vllm-tiny", "llama", **VLLM_HEADS))
+
+
+@pytest.fixture
+def ha_members(postgres, tiny_llama, tmp_path):
+    """Start `whitney serve --ha` processes on one new database and one data directory (the first one to ask leads)."""
+    from tests.ha import Member, until
+
+    db_url, started = postgres.new_database(), []
+
+    def start(n: int, *flags: str) -> list[Member]:
+        for _ in range(n):
+            started.append(Member(tiny_llama, db_url, tmp_path / "data", tmp_path / f"member{len(started)}.log",
+                                  *flags))
+        until(lambda: sum(m.role() == "leader" for m in started) == 1, 30, "one leader")
+        return started
+
+    start.db_url = db_url
+    yield start
+    for m in started:
+        m.stop()

@@ -315,6 +315,10 @@ def backend_config(args) -> dict:
     if args.ha and not (args.db_url or "").startswith("postgresql"):
         raise InvalidInput("--ha needs a PostgreSQL --db-url (postgresql+psycopg://...): its processes share the "
                            "database, its lease and its notifications")
+    if args.ha and samplers.engine == SamplerEngine.VLLM:
+        raise InvalidInput("--ha with --sampler-engine vllm is not supported yet: each member would start vLLM "
+                           "replicas of its own; use Whitney's replicas (--backend ray --samplers K), which the "
+                           "members share")
     lease = (args.lease_seconds or 5.0) if args.ha else None
     return dict(backend=args.backend, ray_address=args.ray_address, samplers=samplers,
                 worker_resources=resources, ha_lease_seconds=lease)

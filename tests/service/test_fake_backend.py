@@ -148,6 +148,9 @@ class FakeBackend:
         lost, self.lost = self.lost, []
         return lost
 
+    def adopt(self) -> list[str]:
+        return list(self.grads)  # the runs it holds
+
     def page_out_idle(self) -> int:
         return 0  # holds no memory worth paging
 

@@ -5,25 +5,17 @@ SIGKILL mid-forward_backward, and a leader stalled with SIGSTOP past its lease, 
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.service.test_flow import ADAM, LORA, expect, fb_body, sft_batch
+from tests.ha import LEASE, big_batch, settle, until
+from tests.service.test_flow import ADAM, LORA, expect, fb_body
 from tests.tinker.helpers import arrays, tinker_data
 from whitney.service.cluster import lease
 from whitney.service.store.database import Store
-
-LEASE = 2.0  # seconds: a dead leader is replaced within about this (plus a campaign interval)
-
 
 # ---- the lease and the fence ------------------------------------------------------------------------------------
 
@@ -56,78 +48,8 @@ def test_lease_passes_on_only_after_it_expires_and_a_former_holder_is_fenced(pos
 # ---- real processes -----------------------------------------------------------------------------------------------
 
 
-class Member:
-    """A `whitney serve --ha` process and an HTTP client of it."""
-
-    def __init__(self, model: str, db_url: str, data_dir: Path, log: Path):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "whitney.cli", "serve", "--model", model, "--port", "0", "--data-dir",
-             str(data_dir), "--db-url", db_url, "--ha", "--lease-seconds", str(LEASE), "--threads", "1"],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 180
-        while (found := re.search(r"Whitney is serving .* at (http://127\.0\.0\.1:\d+)", log.read_text())) is None:
-            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        self.url = found.group(1)
-        self.http = httpx.Client(base_url=self.url, timeout=60)
-
-    def role(self) -> str | None:
-        try:
-            return self.http.get("/healthz", timeout=2).json()["role"]
-        except httpx.HTTPError:
-            return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        self.http.close()
-
-
-@pytest.fixture
-def members(postgres, tiny_llama, tmp_path):
-    """Start `whitney serve --ha` processes on one new database and one data directory (the first one to ask leads)."""
-    db_url, started = postgres.new_database(), []
-
-    def start(n: int) -> list[Member]:
-        for _ in range(n):
-            started.append(Member(tiny_llama, db_url, tmp_path / "data", tmp_path / f"member{len(started)}.log"))
-        until(lambda: sum(m.role() == "leader" for m in started) == 1, 30, "one leader")
-        return started
-
-    start.db_url = db_url
-    yield start
-    for m in started:
-        m.stop()
-
-
-def until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
-def settle(http: httpx.Client, op_id: str) -> dict:
-    """An operation's final state, long-polled through `http`."""
-    deadline = time.monotonic() + 120
-    while (op := expect(http.get(f"/v1/operations/{op_id}", params={"wait": 10}), 200))["status"] in ("queued",
-                                                                                                        "running"):
-        assert time.monotonic() < deadline, op
-    return op
-
-
-def big_batch() -> list[dict]:
-    """Datums of a forward_backward that runs for seconds on the tiny model with one thread (several passes)."""
-    return sft_batch([([1] + [(7 * i + j) % 40000 + 3 for j in range(200)], [5, 6, 2]) for i in range(48)])
-
-
-def test_a_killed_leader_is_replaced_and_nothing_acknowledged_is_lost(members):
-    a, b = members(2)
+def test_a_killed_leader_is_replaced_and_nothing_acknowledged_is_lost(ha_members):
+    a, b = ha_members(2)
     leader, follower = (a, b) if a.role() == "leader" else (b, a)
     # A client training through both processes, alternately: every request answered by whichever it reaches.
     session = expect(follower.http.post("/v1/sessions", json={}), 201)
@@ -177,11 +99,11 @@ def test_a_killed_leader_is_replaced_and_nothing_acknowledged_is_lost(members):
     assert settle(follower.http, op["id"])["result"]["metrics"]["step"] == 4
 
 
-def test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_nothing(members, tiny_llama):
+def test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_nothing(ha_members, tiny_llama):
     import tinker
     from tinker import types
 
-    a, b = members(2)
+    a, b = ha_members(2)
     leader, follower = (a, b) if a.role() == "leader" else (b, a)
     # The SDK, unmodified, pointed at the follower: run creation is a leader call, futures are long-polled there.
     client = tinker.ServiceClient(base_url=follower.url, api_key="tml-ha")
@@ -202,7 +124,7 @@ def test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_no
     until(lambda: follower.role() == "leader", LEASE + 5, "the follower to lead")
     lost = settle(follower.http, long["id"])
     assert lost["status"] == "failed" and lost["error"]["code"] == "worker_lost"
-    engine = create_engine(members.db_url)
+    engine = create_engine(ha_members.db_url)
     with engine.connect() as conn:
         before = conn.execute(text("SELECT id, status, result, error, finished_at FROM operations ORDER BY id")).all()
     leader.proc.send_signal(signal.SIGCONT)  # it finishes its computation and would store it: fenced, it steps down

@@ -250,6 +250,13 @@ class InProcessBackend(chat.TextMethods, LossMethods):
         the engine itself lives and dies with this process."""
         return self.engine.take_lost_runs()
 
+    def adopt(self) -> list[str]:
+        """A new scheduling leader takes this backend over (service/cluster): the samples in flight, the former
+        leader's, are cancelled (nobody waits for them); the runs it holds, which the new leader goes on with."""
+        for request_id in list(self._samples):
+            self.cancel_sample(request_id)
+        return list(self.engine.runs)
+
     def page_out_idle(self) -> int:
         return self.engine.page_out_idle()
 

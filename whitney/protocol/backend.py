@@ -211,6 +211,9 @@ class BackendSpec:
     samplers: SamplerReplicas = SamplerReplicas()  # each base model's sampler replicas
     # ray: each model's worker resources, by the name it is given or served under ({"cpus": 2, "gpus": 1, ...})
     worker_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    # A highly available service's name (service/cluster): its members share its workers (Ray: named actors that
+    # outlive any member), where the backend can; None: this process's own workers, stopped with it.
+    service: str | None = None
 
 
 class PackageKind(StrEnum):
@@ -302,6 +305,7 @@ class Tokenizers(Protocol):
 @runtime_checkable
 class Housekeeping(Protocol):
     def take_lost_runs(self) -> list[str]: ...
+    def adopt(self) -> list[str]: ...  # a new scheduling leader takes the workers over: the runs they hold
     def page_out_idle(self) -> int: ...
     def residency(self) -> Residency: ...
     @property

@@ -162,7 +162,18 @@ def start_backend(config: ServiceConfig, shown: list[str]) -> ServedBackend:
     if engine.paging_dir is None:  # idle runs are paged out to the data dir (engine/paging.py)
         engine = replace(engine, paging_dir=str(Path(config.data_dir).expanduser() / "paged"))
     return backends.start(config.backend, BackendSpec(engine, tuple(zip(config.models, shown)), config.ray_address,
-                                                      config.samplers, dict(config.worker_resources)))
+                                                      config.samplers, dict(config.worker_resources),
+                                                      service_name(config)))
+
+
+def service_name(config: ServiceConfig) -> str | None:
+    """A highly available service's name, the same for all its members (they share one database): its workers go
+    by it (BackendSpec.service). None for a service of one process."""
+    if config.ha_lease_seconds is None:
+        return None
+    import hashlib
+
+    return "whitney-" + hashlib.sha256((config.db_url or "").encode()).hexdigest()[:12]
 
 
 class BodyLimit:

@@ -19,4 +19,4 @@ def start_backend(spec: BackendSpec) -> ServedBackend:
         raise InvalidInput(f"the ray backend needs Ray: pip install 'whitney[ray]' ({e})", field="backend") from None
     from whitney.backends.ray.proxy import RayBackend
 
-    return RayBackend(spec.engine, placements(spec), spec.ray_address)
+    return RayBackend(spec.engine, placements(spec), spec.ray_address, spec.service)

@@ -225,3 +225,11 @@ class TakeLostRuns(Call[list]):
 class CountResidency(Call[Residency]):
     def on(self, backend: InProcessBackend) -> Residency:
         return backend.residency()
+
+
+@dataclass(frozen=True)
+class Adopt(Call[list]):
+    """A new scheduling leader takes the worker over: its samples in flight cancelled, the runs it holds."""
+
+    def on(self, backend: InProcessBackend) -> list[str]:
+        return backend.adopt()

@@ -30,12 +30,12 @@ from typing import Any, Callable
 
 from whitney.backends.in_process import adapter_bytes
 from whitney.backends.ray.calls import (
-    Call, ComputeLogprobs, CountResidency, CreateRun, DeleteRun, ImageTokens, LoadState, OptimSteps, PageOutIdle,
-    RunBatch, Save, SettleGradients, TakeLostRuns, TokenizerFiles, Validate)
+    Adopt, Call, ComputeLogprobs, CountResidency, CreateRun, DeleteRun, ImageTokens, LoadState, OptimSteps,
+    PageOutIdle, RunBatch, Save, SettleGradients, TakeLostRuns, TokenizerFiles, Validate)
 from whitney.backends.ray.placement import Placement
 from whitney.backends.ray.sampling import Sampling
 from whitney.backends.ray.supervisor import Supervisor
-from whitney.backends.ray.workers import Worker
+from whitney.backends.ray.workers import Role, Worker
 from whitney.engine.families import chat
 from whitney.engine.losses.builtin import LossMethods
 from whitney.engine.training.requests import check_request
@@ -54,9 +54,12 @@ class RayBackend(chat.TextMethods, LossMethods):
 
     separate_sampling = True
 
-    def __init__(self, config: EngineConfig, placements: list[Placement], address: str | None = None):
+    def __init__(self, config: EngineConfig, placements: list[Placement], address: str | None = None,
+                 service: str | None = None):
         self.config = config
-        self.supervisor = Supervisor(config, placements, address)  # every worker started, each model loaded
+        # Every worker started (or, for a highly available `service`, found where another member started it),
+        # each model loaded.
+        self.supervisor = Supervisor(config, placements, address, service)
         self._sampling = Sampling(self.supervisor)
         self._next_page_sweep = 0.0  # page_out_idle asks the trainers at most once a second
         self._next_lost_check = 0.0  # take_lost_runs too, for runs whose paged-out state was lost
@@ -106,7 +109,9 @@ class RayBackend(chat.TextMethods, LossMethods):
         return adapter_bytes(info.linear_shapes, lora, self.config.max_lora_rank)
 
     def validate(self, request: ForwardRequest, backward: bool) -> Checked:
-        trainer = self.supervisor.trainer(request.run_id, request.base_model)
+        """On the request's base model when it names one (a run this process does not hold: an API process of a
+        highly available service), else its run's."""
+        trainer = self.supervisor.trainer(None if request.base_model else request.run_id, request.base_model)
         info = self.supervisor.models[trainer.model]
         if info.vision and _has_images(request):  # the model's own processor expands them: in the worker
             return self.supervisor.call(trainer, Validate(request, backward))
@@ -199,6 +204,17 @@ class RayBackend(chat.TextMethods, LossMethods):
             self._next_lost_check = time.monotonic() + 1.0
             lost += [run_id for runs in self.supervisor.each_trainer(TakeLostRuns()) for run_id in runs]
         return lost
+
+    def adopt(self) -> list[str]:
+        """A new scheduling leader takes the workers over (service/cluster): every worker's samples in flight
+        cancelled, and the runs each trainer holds, recorded as its own; those runs."""
+        held = []
+        for worker in self.supervisor.workers():
+            runs = self.supervisor.call(worker, Adopt())
+            for run_id in runs if worker.role == Role.TRAINER else ():
+                self.supervisor.add_run(run_id, worker.model)
+                held.append(run_id)
+        return held
 
     def page_out_idle(self) -> int:
         """Every trainer pages out its own idle runs (engine/memory/paging.py); asked at most once a second."""

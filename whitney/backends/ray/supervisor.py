@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from typing import TypeVar
 
 from whitney.backends.ray.actor import ModelWorker
@@ -39,14 +40,16 @@ T = TypeVar("T")
 class Supervisor:
     """Every worker of the placements, their restarts, and the runs on each trainer (thread-safe)."""
 
-    def __init__(self, config: EngineConfig, placements: list[Placement], address: str | None = None):
+    def __init__(self, config: EngineConfig, placements: list[Placement], address: str | None = None,
+                 service: str | None = None):
         import ray
 
         self.ray = ray
+        self.service = service  # a highly available service's: its workers are named, shared and outlive us
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             try:
-                ray.init(address=address, log_to_driver=False, configure_logging=False)
+                ray.init(address=address, log_to_driver=False, configure_logging=False, namespace=service)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise InvalidInput(f"cannot start or reach a Ray cluster at {address or 'a new local instance'}: "
                                    f"{e}", field="ray_address") from None
@@ -66,9 +69,10 @@ class Supervisor:
                 if p.shards > 1:
                     self._groups[p.name] = self._place(p)
                 self._names[p.model] = self._names[p.name] = p.name
-                self.trainers[p.name] = Worker([self._actor(p, rank, p.shards) for rank in range(p.shards)], p.name,
-                                               Role.TRAINER)
-                self.samplers[p.name] = [Worker([self._actor(p)], p.name, Role.SAMPLER) for _ in range(p.samplers)]
+                self.trainers[p.name] = Worker([self._actor(p, rank, p.shards, f"trainer/{rank}")
+                                                for rank in range(p.shards)], p.name, Role.TRAINER)
+                self.samplers[p.name] = [Worker([self._actor(p, name=f"sampler/{i}")], p.name, Role.SAMPLER)
+                                         for i in range(p.samplers)] + self._elastic_replicas(p)
             for worker in self.workers():
                 self._begin(worker)
             for worker in self.workers():
@@ -80,12 +84,17 @@ class Supervisor:
             self.close()
             raise
 
-    def _actor(self, p: Placement, rank: int = 0, shards: int = 1):
-        """A new actor of the model's: a rank of its trainer, or (rank 0 of 1) a sampler replica."""
+    def _actor(self, p: Placement, rank: int = 0, shards: int = 1, name: str | None = None):
+        """A new actor of the model's: a rank of its trainer, or (rank 0 of 1) a sampler replica. A highly available
+        service's is named (`name`, under the model's) and detached: the one another member started is found and
+        shared, and it outlives every member."""
         env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),  # every worker's, whoever started Ray
                # glibc reads it as the process starts, before Ray's threads make arenas of their own (heap.py)
                "MALLOC_ARENA_MAX": str(ARENAS)}
         options = p.actor_options(env)
+        if self.service is not None:
+            options.update(name=f"{p.name}/{name or 'sampler/' + uuid.uuid4().hex[:12]}", namespace=self.service,
+                           lifetime="detached", get_if_exists=True)
         if shards > 1:  # its bundle of the trainer's placement group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -95,10 +104,19 @@ class Supervisor:
 
     def _place(self, p: Placement):
         """A placement group of the trainer's ranks, one bundle each, reserved on the cluster (PACK: as few nodes
-        as hold them). InvalidInput where the cluster cannot hold them within PLACE_SECONDS."""
-        from ray.util.placement_group import placement_group, remove_placement_group
+        as hold them). InvalidInput where the cluster cannot hold them within PLACE_SECONDS. A highly available
+        service's is named and detached: the one another member reserved is found and shared."""
+        from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 
-        group = placement_group([p.bundle()] * p.shards, strategy="PACK")
+        if self.service is not None:
+            try:
+                return get_placement_group(f"{p.name}/ranks")
+            except ValueError:  # none yet: this member reserves it
+                pass
+            group = placement_group([p.bundle()] * p.shards, strategy="PACK", name=f"{p.name}/ranks",
+                                    lifetime="detached")
+        else:
+            group = placement_group([p.bundle()] * p.shards, strategy="PACK")
         try:
             self.ray.get(group.ready(), timeout=PLACE_SECONDS)
         except self.ray.exceptions.GetTimeoutError:
@@ -106,6 +124,17 @@ class Supervisor:
             raise InvalidInput(f"the cluster cannot place the {p.shards} ranks of {p.name}, each {p.bundle()}, "
                                f"within {PLACE_SECONDS:.0f} s", field="worker_resources") from None
         return group
+
+    def _elastic_replicas(self, p: Placement) -> list[Worker]:
+        """A highly available service's elastic replicas of the model that another member started (named under the
+        model, past its fixed ones), shared; none otherwise."""
+        if self.service is None:
+            return []
+        fixed = {f"{p.name}/sampler/{i}" for i in range(p.samplers)}
+        names = [a["name"] for a in self.ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == self.service and a["name"].startswith(f"{p.name}/sampler/")
+                 and a["name"] not in fixed]
+        return [Worker([self.ray.get_actor(n, namespace=self.service)], p.name, Role.SAMPLER) for n in sorted(names)]
 
     def add_sampler(self, model: str) -> Worker:
         """One more replica of the model (elastic): it starts as a restart does, never waited for here."""
@@ -240,9 +269,10 @@ class Supervisor:
         worker.restarting = [r.describe.remote() for r in worker.ranks]
 
     def _started(self, worker: Worker) -> ModelInfo | Raised | None:
-        """Wait for a start begun by _begin (at startup only: never while serving)."""
+        """Wait for a start begun by _begin (at startup only: never while serving). The ranks of a sharded trainer
+        another member of a highly available service started have joined already."""
         described = self.ray.get(worker.restarting)
-        if worker.joining:
+        if worker.joining and any(d[0] is None for d in described):
             address = self.ray.get(worker.ranks[0].address.remote())
             described = self.ray.get([r.join.remote(address) for r in worker.ranks])
         worker.restarting, worker.joining = None, False
@@ -288,7 +318,12 @@ class Supervisor:
             return True
 
     def close(self) -> None:
-        """Stop the workers (and the local Ray instance started here)."""
+        """Stop the workers (and the local Ray instance started here). A highly available service's workers are
+        its, not this member's: they stay (`ray stop`, or killing its actors, ends them)."""
+        if self.service is not None:
+            if self._owns_ray and self.ray.is_initialized():
+                self.ray.shutdown()
+            return
         for actor in (a for w in self.workers() for a in w.ranks):
             try:
                 self.ray.kill(actor, no_restart=True)

@@ -186,6 +186,11 @@ class VllmSampling:
         with self._lock:
             return self.inner.take_lost_runs()
 
+    def adopt(self) -> list[str]:
+        """The trainer's (a highly available service does not run vLLM replicas: cli.backend_config refuses it)."""
+        with self._lock:
+            return self.inner.adopt()
+
     def page_out_idle(self) -> int:
         with self._lock:
             return self.inner.page_out_idle()

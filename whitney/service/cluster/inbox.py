@@ -4,7 +4,8 @@ from the database (`Inbox`), woken by their notifications.
 Taking over, the new leader ends what the former one left half done, in one transaction carrying its fence:
   - a live run its backend does not hold (an in-process engine's runs died with the former leader; a Ray trainer
     that still lives holds its own) is interrupted, as a run lost with its worker is: its queued and running
-    operations fail with worker_lost, and the client resumes it from a checkpoint with a new run;
+    operations fail with worker_lost, and the client resumes it from a checkpoint with a new run (a run being
+    cancelled is cancelled);
   - an operation that was running ends exactly once: the former leader stored its result (it succeeded), or it
     fails with worker_lost (its run, if it has one, is interrupted above or here, since what it did to the run's
     state is unknown);
@@ -39,8 +40,8 @@ LOST = {"code": WorkerLost.code, "category": "server",
 RUN_LOST = "its scheduling leader stopped and its state did not survive; resume from the newest checkpoint with a new run"
 
 
-def take_over(store: Store, held_runs: set[str]) -> dict[str, int]:
-    """End what the former leader left half done (see the module docstring); how many of each were ended."""
+def take_over(store: Store, held_runs: set[str]) -> set[str]:
+    """End what the former leader left half done (see the module docstring); the runs interrupted."""
     now = time.time()
     with store.engine.begin() as conn:
         running = conn.execute(text("SELECT id, run_id FROM operations WHERE status = 'running'")).all()
@@ -48,7 +49,7 @@ def take_over(store: Store, held_runs: set[str]) -> dict[str, int]:
             "SELECT o.id FROM operations o LEFT JOIN operation_payloads p ON p.op_id = o.id "
             "WHERE o.status = 'queued' AND p.op_id IS NULL")).all()
         lost_runs = {r for (r,) in conn.execute(text(
-            "SELECT id FROM runs WHERE status IN ('active', 'finishing')")).all() if r not in held_runs}
+            "SELECT id FROM runs WHERE status IN ('active', 'finishing', 'cancelling')")).all() if r not in held_runs}
         lost_runs |= {run_id for _, run_id in running if run_id is not None}
         ended = [op_id for op_id, _ in running] + [op_id for (op_id,) in stranded]
         if lost_runs:
@@ -60,9 +61,11 @@ def take_over(store: Store, held_runs: set[str]) -> dict[str, int]:
             conn.execute(text("UPDATE operations SET status = 'failed', error = :error, finished_at = :now "
                               "WHERE id = :id AND status IN ('queued', 'running')"),
                          {"id": op_id, "error": _json(LOST), "now": now})
-        for run_id in lost_runs:
-            conn.execute(text("UPDATE runs SET status = 'interrupted', error = :error WHERE id = :id "
-                              "AND status IN ('active', 'finishing')"), {"id": run_id, "error": RUN_LOST})
+        for run_id in lost_runs:  # a run being cancelled is cancelled: what it held went with the former leader
+            conn.execute(text("UPDATE runs SET status = CASE WHEN status = 'cancelling' THEN 'cancelled' ELSE "
+                              "'interrupted' END, error = CASE WHEN status = 'cancelling' THEN error ELSE :error END "
+                              "WHERE id = :id AND status IN ('active', 'finishing', 'cancelling')"),
+                         {"id": run_id, "error": RUN_LOST})
         reads = [package_read(decode(bytes(job))) for (job,) in conn.execute(text(
             "SELECT job FROM operation_payloads WHERE op_id = ANY(:ids)"), {"ids": ended}).all()] if ended else []
         store._ended(conn, ended)
@@ -70,9 +73,26 @@ def take_over(store: Store, held_runs: set[str]) -> dict[str, int]:
     for path in reads:  # their readers were counted by the routes that queued them, and never released
         if path is not None:
             release(store, path)
-    counts = {"operations_failed": len(ended), "runs_interrupted": len(lost_runs)}
-    log.info("took over scheduling: %s", counts)
-    return counts
+    log.info("took over scheduling: %d operations the former leader left failed, %d runs interrupted, %d runs "
+             "held by the workers go on", len(ended), len(lost_runs), len(held_runs - lost_runs))
+    return lost_runs
+
+
+def run_statuses(store: Store, runs: set[str]) -> dict[str, str]:
+    """Each run's status in the store."""
+    with store.engine.connect() as conn:
+        return dict(conn.execute(text("SELECT id, status FROM runs WHERE id = ANY(:runs)"), {"runs": list(runs)}).all())
+
+
+def next_seq_ids(store: Store, runs: set[str]) -> dict[str, int]:
+    """Each run's next seq_id to run: one past the last that ended (every one before it has ended too)."""
+    if not runs:
+        return {}
+    with store.engine.connect() as conn:
+        ended = dict(conn.execute(text(
+            "SELECT run_id, MAX(seq_id) FROM operations WHERE run_id = ANY(:runs) AND seq_id IS NOT NULL "
+            "AND status IN ('succeeded', 'failed', 'cancelled') GROUP BY run_id"), {"runs": list(runs)}).all())
+    return {run_id: ended.get(run_id, -1) + 1 for run_id in runs}
 
 
 class Inbox:

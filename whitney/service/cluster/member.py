@@ -26,7 +26,7 @@ from whitney.errors import InvalidInput
 from whitney.service.cluster import lease
 from whitney.service.cluster.calls import CALL, CallerSide, LeaderSide
 from whitney.service.cluster.dispatch import Dispatch
-from whitney.service.cluster.inbox import Inbox, take_over
+from whitney.service.cluster.inbox import Inbox, next_seq_ids, run_statuses, take_over
 from whitney.service.cluster.notify import ENDED, SUBMITTED, Listener, send
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.store.database import Store
@@ -80,7 +80,21 @@ class Member:
     def lead(self, start_scheduler: bool) -> None:
         """Once elected: take over, read the queued work, schedule (its loop on threads of its own with
         `start_scheduler`, else the caller runs `scheduler.run()`)."""
-        take_over(self.store, held_runs=set())  # runs are created on the leader only: this process's engine holds none
+        backend = self.scheduler.backend
+        held = set(backend.adopt())  # an in-process engine holds no run (runs are made by leaders); Ray workers may
+        interrupted = take_over(self.store, held)
+        for run_id in interrupted & held:  # its state is unknown (it was running): not to go on
+            backend.delete_run(run_id)
+        adopted = held - interrupted
+        for run_id, next_seq in next_seq_ids(self.store, adopted).items():
+            self.scheduler.queues.open(run_id, next_seq)
+        self.inbox.calls.take()
+        self.inbox.take()  # the queued work, before a finishing run is told it may finish
+        for run_id, status in run_statuses(self.store, adopted).items():
+            if status == "finishing":
+                self.scheduler.queues.finish(run_id)
+            elif status == "cancelling":
+                self.scheduler.cancel_run(run_id, "run cancelled")
         self.dispatch.leading.set()
         self.inbox.start()
         if start_scheduler:

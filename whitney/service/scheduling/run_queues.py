@@ -59,9 +59,10 @@ class RunQueues:
         self._lock = lock
         self._runs: dict[str, RunQueue] = {}
 
-    def open(self, run_id: str) -> None:
+    def open(self, run_id: str, next_seq: int = 0) -> None:
+        """A new run's queue (or, adopted by a new scheduling leader, one whose seq_ids before `next_seq` ended)."""
         with self._lock:
-            self._runs.setdefault(run_id, RunQueue())
+            self._runs.setdefault(run_id, RunQueue(next_seq=next_seq))
 
     def submit(self, operation: OperationRecord, job: Job) -> None:
         """Park a training operation under its seq_id (a retry of one already known is ignored)."""
