@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -100,6 +101,7 @@ def test_a_killed_leader_is_replaced_and_nothing_acknowledged_is_lost(ha_members
 
 
 def test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_nothing(ha_members, tiny_llama):
+    import openai
     import tinker
     from tinker import types
 
@@ -115,6 +117,15 @@ def test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_no
     sampler = trainer.save_weights_and_get_sampling_client("ha").result()
     sample = sampler.sample(types.ModelInput.from_ints([1, 17, 250]), 1, types.SamplingParams(max_tokens=3, seed=0))
     assert len(sample.result().sequences[0].tokens) == 3
+    # OpenAI streaming through either process: the leader streams as it samples, a follower's stream sends the
+    # completion once it is done; the same text either way, and the same as without streaming.
+    name, texts = Path(tiny_llama).name, []
+    for member in (follower, leader, follower):
+        openai_client = openai.OpenAI(base_url=f"{member.url}/v1", api_key="x", max_retries=0, timeout=120)
+        request = dict(model=name, prompt="Once upon", seed=4, max_tokens=12, temperature=1.0)
+        texts.append("".join(c.choices[0].text for c in openai_client.completions.create(**request, stream=True)))
+        texts.append(openai_client.completions.create(**request).choices[0].text)
+    assert texts[0] and texts == [texts[0]] * 6, texts
 
     session = expect(follower.http.post("/v1/sessions", json={}), 201)
     run = expect(follower.http.post(f"/v1/sessions/{session['id']}/runs", json={"lora": LORA}), 201)["id"]

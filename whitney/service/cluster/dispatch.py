@@ -5,8 +5,8 @@ same calls (`Scheduler`'s), made through the database, so that any process answe
   whichever process leads reads it from there (inbox.py), the leader itself too.
 - Run creation, finishing and cancelling, and a sample's cancel, are leader calls (calls.py), awaited here.
 - A long-poll waits for the operation's end notification (`Ends.wait`, woken by the listener).
-- A streaming sample needs the process that runs it: the leader serves it on its own scheduler; a follower answers
-  503, and the client retries (a load balancer may send it on to the leader, whose /healthz says so).
+- A streaming sample is stored like any other; the leader streams its tokens as they come where the request reached
+  the leader itself, and a follower's stream sends the completion whole once the operation ends.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import concurrent.futures
 import threading
 from typing import Any, Callable
 
-from whitney.errors import Unavailable
 from whitney.protocol.backend import ServedBackend, Weights
 from whitney.protocol.sampling import SamplingParams
 from whitney.service.cluster.calls import CallerSide
@@ -36,27 +35,37 @@ class Dispatch:
         self.calls = calls
         self.ends = Ends(scheduler.store, threading.RLock())  # long-polls, woken by end notifications
         self.leading = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: dict[str, SampleStream] = {}  # streaming samples' listeners, by operation id
         # A follower's own engine calls (a console export: its backend is idle): one at a time, off the event loop.
         self._own = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitney-follower")
-
-    @property
-    def streams(self) -> bool:
-        """Whether this process can stream a sample's tokens (it leads)."""
-        return self.leading.is_set()
 
     def submit(self, operation: OperationRecord, job: Job) -> None:
         """Nothing more: the route stored the job with the operation, and its notification wakes the leader."""
 
     def submit_sample(self, operation: OperationRecord, prompt: list[int], params: SamplingParams, weights: Weights,
                       stream: bool = False) -> SampleStream | None:
-        """A streaming sample on the leader's own scheduler (the route stored no job for it); any other sample
-        was stored with its job."""
-        if stream:
-            if not self.leading.is_set():
-                raise Unavailable("streaming samples are served by the scheduling leader; retry (GET /healthz "
-                                  "names the leader)", field="stream")
-            return self.scheduler.submit_sample(operation, prompt, params, weights, stream=True)
-        return None
+        """Stored with its job (the leader samples). A streaming sample's listener: the leader's inbox streams into
+        it when it is this process and finds it (`stream_of`); else it ends with the operation, and the route sends
+        the whole completion then."""
+        if not stream:
+            return None
+        listener = SampleStream()
+        with self._lock:
+            self._streams[operation.id] = listener
+        return listener
+
+    def stream_of(self, op_id: str) -> SampleStream | None:
+        with self._lock:
+            return self._streams.get(op_id)
+
+    def ended(self, op_id: str) -> None:
+        """The operation ended (its notification): its long-polls woken, its listener (if any) told."""
+        with self._lock:
+            listener = self._streams.pop(op_id, None)
+        if listener is not None:
+            listener.end()
+        self.ends.notify(op_id)
 
     def submit_logprobs(self, operation: OperationRecord, sequences: list[list[int]], weights: Weights) -> None:
         """Nothing more: stored with its job."""
@@ -78,6 +87,8 @@ class Dispatch:
         return self.calls.call("cancel_sample", op_id=op_id, reason=reason)
 
     def drop_stream(self, op_id: str) -> None:
+        with self._lock:
+            self._streams.pop(op_id, None)
         if self.leading.is_set():
             self.scheduler.drop_stream(op_id)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 from sqlalchemy import text
 
@@ -27,6 +28,7 @@ from whitney.protocol.backend import WorkerLost
 from whitney.service.cluster.calls import LeaderSide, fail_running
 from whitney.service.cluster.payloads import SampleJob, ScoreJob, decode, package_read
 from whitney.service.scheduling.scheduler import Scheduler
+from whitney.service.scheduling.streams import SampleStream
 from whitney.service.store.database import Store
 from whitney.service.store.packages import release, release_at_end
 from whitney.service.store.records import OperationRecord, record
@@ -97,11 +99,14 @@ def next_seq_ids(store: Store, runs: set[str]) -> dict[str, int]:
 
 class Inbox:
     """Queued operations read with their jobs and handed to the scheduler (each once), and leader calls made; run
-    whenever a submission's notification arrives (`wake`) and once on start."""
+    whenever a submission's notification arrives (`wake`) and once on start. A streaming sample whose listener a
+    route of this process holds streams into it as its tokens come."""
 
-    def __init__(self, store: Store, scheduler: Scheduler, calls: LeaderSide):
+    def __init__(self, store: Store, scheduler: Scheduler, stream_of: Callable[[str], SampleStream | None],
+                 calls: LeaderSide):
         self.store = store
         self.scheduler = scheduler
+        self.stream_of = stream_of  # a streaming sample's listener, where a route of this process holds one
         self.calls = calls
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -147,7 +152,9 @@ class Inbox:
             if (path := package_read(job)) is not None:  # the route counted its reader; released as it ends here
                 release_at_end(self.store, operation.id, path)
             if isinstance(job, SampleJob):
-                self.scheduler.submit_sample(operation, job.prompt, job.params, job.weights)
+                listener = self.stream_of(operation.id)
+                self.scheduler.submit_sample(operation, job.prompt, job.params, job.weights,
+                                             stream=listener is not None, listener=listener)
             elif isinstance(job, ScoreJob):
                 self.scheduler.submit_logprobs(operation, job.sequences, job.weights)
             else:

@@ -53,7 +53,7 @@ class Member:
         store.queued, store.ended = _store_payload, _notify_ended
         self.caller = CallerSide(store)
         self.dispatch = Dispatch(scheduler, self.caller)
-        self.inbox = Inbox(store, scheduler, LeaderSide(store, {
+        self.inbox = Inbox(store, scheduler, self.dispatch.stream_of, LeaderSide(store, {
             "open_run": scheduler.open_run, "finish_run": scheduler.finish_run,
             "cancel_run": scheduler.cancel_run, "cancel_sample": scheduler.cancel_sample}))
         self.listener = Listener(store.engine, {SUBMITTED: self._submitted, ENDED: self._ended},
@@ -151,7 +151,7 @@ class Member:
             self.caller.answered(payload[len(CALL):])
         else:
             self.store.at_end.pop(payload, None)  # a route's hook here: the process that ended it ran its own
-            self.dispatch.ends.notify(payload)
+            self.dispatch.ended(payload)
 
 
 def _store_payload(conn, op_id: str, payload: bytes | None) -> None:

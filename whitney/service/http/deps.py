@@ -71,14 +71,6 @@ class ServiceState:
             return ForwardRequest(run_id, data, loss_fn, config)
         return ForwardRequest(run_id, data, loss_fn, config, base_model=self.store.get_run(run_id).base_model)
 
-    def check_streaming(self) -> None:
-        """Unavailable (503) where this process cannot stream a sample: a follower of a highly available service."""
-        if self.member is not None and not self.member.dispatch.streams:
-            from whitney.errors import Unavailable
-
-            raise Unavailable("streaming samples are served by the scheduling leader; retry (GET /healthz says "
-                              "which process leads)", field="stream")
-
     def serves(self, base_model: str | None) -> bool:
         return base_model in self.models or base_model in self.model_aliases
 

@@ -50,9 +50,9 @@ class Ends:
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self.streams: dict[str, SampleStream] = {}  # streaming samples' listeners, by operation id
 
-    def listen(self, op_id: str) -> SampleStream:
-        """A listener for the streaming sample `op_id`: its reports, then its end."""
-        listener = SampleStream()
+    def listen(self, op_id: str, listener: SampleStream | None = None) -> SampleStream:
+        """A listener for the streaming sample `op_id` (a new one, or `listener`): its reports, then its end."""
+        listener = listener or SampleStream()
         with self._lock:
             self.streams[op_id] = listener
         return listener

@@ -99,10 +99,11 @@ class Scheduler:
         self._training_lane.wake.set()
 
     def submit_sample(self, operation: OperationRecord, prompt: list[int], params: SamplingParams, weights: Weights,
-                      stream: bool = False) -> SampleStream | None:
+                      stream: bool = False, listener: SampleStream | None = None) -> SampleStream | None:
         """Queue a sampling operation; the backend knows it by the operation's id. With `stream`, the
-        tokens reach the returned listener as they are chosen (its end: the operation is terminal)."""
-        listener = self.ends.listen(operation.id) if stream else None
+        tokens reach the returned listener (`listener`, or a new one) as they are chosen (its end: the operation is
+        terminal)."""
+        listener = self.ends.listen(operation.id, listener) if stream else None
         self._sampling_lane.call(lambda: self.sampling.start(operation, prompt, params, weights, stream))
         return listener
 

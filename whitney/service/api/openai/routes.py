@@ -160,11 +160,9 @@ def start(st: ServiceState, who: str, body: wire.Sampling, chat: bool) -> Starte
                                field="max_tokens")
     except WhitneyError as e:
         raise renamed(e, fields) from None
-    if body.stream:
-        st.check_streaming()
     op, _ = st.store.submit_operation(who, None, None, OperationKind.SAMPLE, "",  # 429 over the key's queued ops
                                       admit=lambda conn: st.quotas.admit_operation(who, None, None, 0, conn),
-                                      payload=None if body.stream else st.payload(SampleJob(prompt, params, weights)))
+                                      payload=st.payload(SampleJob(prompt, params, weights)))
     listener = st.scheduler.submit_sample(op, prompt, params, weights, stream=bool(body.stream))
     return Started(op.id, body.model, base_model, prompt, n, stops, listener, int(time.time()))
 
