@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 ORDER = ["overhead", "sharing", "memory", "sampling", "latency", "scaling", "fairness", "soak", "hostile", "cluster",
-         "peers", "general", "busy", "tenants", "capacity", "vllm", "sharded"]
+         "peers", "general", "busy", "tenants", "capacity", "vllm", "sharded", "ha"]
 
 
 def load(results_dir: Path) -> dict[str, dict]:
@@ -170,6 +170,14 @@ def absolute(name: str, r: dict) -> str:
                 f"{m['per_rank_peak_mib']:.0f} MiB, a process that only imported torch and whitney "
                 f"{m['baseline_imports_only_mib']['VmRSS']:.0f} MiB; right after load_model (the unsharded file only "
                 f"mapped) {m['after_load']['unsharded_peak_mib']:.0f} / {m['after_load']['per_rank_peak_mib']:.0f} MiB")
+    if name == "ha":
+        f, t = r["failover"], r["throughput"]
+        return (f"{f['kills']} leader kills (lease {f['lease_seconds']:g} s): failover "
+                + ", ".join(f"{x:.2f}" for x in f["failover_s"]) + f" s (p50 {f['p50_s']:.2f} s); "
+                f"{f['acknowledged']} operations acknowledged meanwhile, {f['lost']} lost, "
+                f"{f['failed_worker_lost']} failed with worker_lost (running on the killed leader); "
+                f"{t['1']['clients']} clients: {t['1']['ops_per_s']:.1f} ops/s through one API process, "
+                f"{t['2']['ops_per_s']:.1f} through two ({t['1']['errors'] + t['2']['errors']} errors)")
     if name.startswith("capacity"):
         s = r["summary"]
         return (f"{s['runs_reached']} of {s['runs_target']} runs ({s['stopped']}); RSS one run "
@@ -495,6 +503,12 @@ def render(results_dir: Path, docs_dir: Path, quick: bool = False) -> Path:
         "(VmHWM) of each rank loading the base and reading every weight it holds, against an unsharded Engine doing "
         "the same in a fresh process (an unsharded load only maps a float32 safetensors file; its pages count once "
         "read), net of a process that only imported torch and whitney. Target <= 0.72x.",
+        "- **ha** (`--only ha`, issue 34; bench/ha.py): `whitney serve --ha` processes (in-process engines, the tiny "
+        "Llama, lease 2 s) on a throwaway PostgreSQL. Failover: the leader killed with SIGKILL while a client keeps "
+        "samples going through the follower; from the kill to the completion of the waiting client's next operation, "
+        "p50 over several kills (the killed member started again as a follower each time); operations lost: "
+        "acknowledged and never ended (target 0). Throughput: 32 clients looping forward_backward + optim_step on runs "
+        "of their own through one API process, then spread over two; target >= 0.9x.",
         "",
     ]
     path = docs_dir / "BENCHMARKS.md"

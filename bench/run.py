@@ -37,7 +37,8 @@ BENCHMARKS = ["overhead", "sharing", "memory", "sampling", "latency", "scaling",
 OPTIONAL = ["peers",  # needs SkyRL installed (../shared/peers/skyrl/setup.sh): `make bench-peers`
             "tenants", "capacity",  # against a baseline commit (bench/baseline.py); long: `--only tenants,capacity`
             "vllm",  # needs .venv-vllm (`make vllm-env`)
-            "sharded"]  # sharded training, 2 ranks against 1, and each rank's load RSS; ~10 min: `--only sharded`
+            "sharded",  # sharded training, 2 ranks against 1, and each rank's load RSS; ~10 min: `--only sharded`
+            "ha"]  # several API processes on PostgreSQL: failover and throughput; ~5 min: `--only ha`
 MODULES = {"vllm": "vllm_sampling"}  # a benchmark whose module is named otherwise
 
 

@@ -115,8 +115,9 @@ class Member:
     # ---- the lease ----------------------------------------------------------------------------
 
     def _campaign(self) -> None:
+        """Every third of the lease: try to take it (a follower), or renew it (the leader)."""
         renewed = time.monotonic()
-        while not self._stop.wait(self.seconds / 3):
+        while not self._stop.is_set():
             try:
                 if self.fence.token is None:
                     token = lease.acquire(self._lease_engine, self.holder, self.seconds, self.url)
@@ -132,6 +133,7 @@ class Member:
                 log.warning("the lease could not be read or renewed: %s", e)
                 if self.fence.token is not None and time.monotonic() - renewed > self.seconds:
                     self._lost()
+            self._stop.wait(self.seconds / 3)
 
     def _lost(self) -> None:
         if self._stop.is_set():
