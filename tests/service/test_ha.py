@@ -46,6 +46,51 @@ def test_lease_passes_on_only_after_it_expires_and_a_former_holder_is_fenced(pos
     assert [s.id for s in stale.list_sessions("owner")] == [session.id]  # reads are never fenced
 
 
+def test_a_stored_job_reads_back_as_it_was_and_nothing_else_is_built():
+    import os
+    import pickle
+
+    from whitney.protocol.backend import Weights
+    from whitney.protocol.sampling import SamplingParams
+    from whitney.protocol.training import AdamParams, Datum, ImageInput, TensorInput
+    from whitney.service.cluster.payloads import SampleJob, ScoreJob, decode, encode, package_read
+    from whitney.service.scheduling.jobs import ForwardJob, LoadJob, OptimJob, SaveJob
+
+    jobs = [ForwardJob([Datum([[1, 2], ImageInput(b"\x89PNG", "png", 4), [3]],
+                              {"target_tokens": TensorInput("int64", [3], [2, 3, 4])})], "ppo", {"clip": 0.2}, [7]),
+            OptimJob(AdamParams(learning_rate=3e-4)), SaveJob("x", include_optimizer=False), LoadJob("/p", "pkg-1"),
+            SampleJob([1, 2], SamplingParams(max_tokens=3, stop=((1, 2),)), Weights(checkpoint_path="/c")),
+            ScoreJob([[1, 2, 3]], Weights(base_model="m"))]
+    assert [decode(encode(job)) for job in jobs] == jobs
+    assert [package_read(job) for job in jobs] == [None, None, None, "/p", "/c", None]
+
+    class Boom:
+        def __reduce__(self):
+            return os.system, ("true",)
+
+    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+        decode(pickle.dumps(Boom()))
+
+
+def test_the_ha_flags_are_refused_where_they_cannot_work():
+    from whitney.cli import backend_config, build_parser
+    from whitney.errors import InvalidInput
+
+    def config(*flags: str) -> dict:
+        return backend_config(build_parser().parse_args(["serve", *flags]))
+
+    pg = "postgresql+psycopg://u@h/db"
+    assert config("--ha", "--db-url", pg)["ha_lease_seconds"] == 5.0
+    assert config("--ha", "--db-url", pg, "--lease-seconds", "2")["ha_lease_seconds"] == 2.0
+    assert config()["ha_lease_seconds"] is None
+    for flags, words in ((("--ha",), "PostgreSQL --db-url"), (("--ha", "--db-url", "sqlite:///x.db"), "PostgreSQL"),
+                         (("--lease-seconds", "3"), "needs --ha"),
+                         (("--ha", "--db-url", pg, "--lease-seconds", "0.1"), "from 0.5"),
+                         (("--ha", "--db-url", pg, "--samplers", "1", "--sampler-engine", "vllm"), "vllm")):
+        with pytest.raises(InvalidInput, match=words):
+            config(*flags)
+
+
 # ---- real processes -----------------------------------------------------------------------------------------------
 
 
