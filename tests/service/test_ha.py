@@ -162,6 +162,7 @@ def test_the_tinker_sdk_trains_through_a_follower_and_a_stalled_leader_writes_no
     sampler = trainer.save_weights_and_get_sampling_client("ha").result()
     sample = sampler.sample(types.ModelInput.from_ints([1, 17, 250]), 1, types.SamplingParams(max_tokens=3, seed=0))
     assert len(sample.result().sequences[0].tokens) == 3
+    client.close("success").result()  # its session ends (else its heartbeats outlive the test)
     # OpenAI streaming through either process: the leader streams as it samples, a follower's stream sends the
     # completion once it is done; the same text either way, and the same as without streaming.
     name, texts = Path(tiny_llama).name, []
