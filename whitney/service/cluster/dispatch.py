@@ -33,10 +33,9 @@ class Dispatch:
         self.scheduler = scheduler
         self.backend: ServedBackend = scheduler.backend
         self.calls = calls
-        self.ends = Ends(scheduler.store, threading.RLock())  # long-polls, woken by end notifications
+        # Long-polls and streaming samples' listeners, woken by end notifications (`ended`).
+        self.ends = Ends(scheduler.store, threading.RLock())
         self.leading = threading.Event()
-        self._lock = threading.Lock()
-        self._streams: dict[str, SampleStream] = {}  # streaming samples' listeners, by operation id
         # A follower's own engine calls (a console export: its backend is idle): one at a time, off the event loop.
         self._own = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitney-follower")
 
@@ -48,24 +47,10 @@ class Dispatch:
         """Stored with its job (the leader samples). A streaming sample's listener: the leader's inbox streams into
         it when it is this process and finds it (`stream_of`); else it ends with the operation, and the route sends
         the whole completion then."""
-        if not stream:
-            return None
-        listener = SampleStream()
-        with self._lock:
-            self._streams[operation.id] = listener
-        return listener
+        return self.ends.listen(operation.id) if stream else None
 
     def stream_of(self, op_id: str) -> SampleStream | None:
-        with self._lock:
-            return self._streams.get(op_id)
-
-    def ended(self, op_id: str) -> None:
-        """The operation ended (its notification): its long-polls woken, its listener (if any) told."""
-        with self._lock:
-            listener = self._streams.pop(op_id, None)
-        if listener is not None:
-            listener.end()
-        self.ends.notify(op_id)
+        return self.ends.listener(op_id)
 
     def submit_logprobs(self, operation: OperationRecord, sequences: list[list[int]], weights: Weights) -> None:
         """Nothing more: stored with its job."""
@@ -87,8 +72,7 @@ class Dispatch:
         return self.calls.call("cancel_sample", op_id=op_id, reason=reason)
 
     def drop_stream(self, op_id: str) -> None:
-        with self._lock:
-            self._streams.pop(op_id, None)
+        self.ends.drop_stream(op_id)
         if self.leading.is_set():
             self.scheduler.drop_stream(op_id)
 

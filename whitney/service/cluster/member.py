@@ -153,7 +153,7 @@ class Member:
             self.caller.answered(payload[len(CALL):])
         else:
             self.store.at_end.pop(payload, None)  # a route's hook here: the process that ended it ran its own
-            self.dispatch.ended(payload)
+            self.dispatch.ends.ended(payload)
 
 
 def _store_payload(conn, op_id: str, payload: bytes | None) -> None:

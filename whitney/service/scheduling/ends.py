@@ -96,8 +96,12 @@ class Ends:
         if ends:
             self.store.set_operations([end_move(*end) for end in ends], ended_at)
         for operation, _, _ in ends:
-            self.notify(operation.id)
-            with self._lock:
-                listener = self.streams.pop(operation.id, None)
-            if listener is not None:
-                listener.end()
+            self.ended(operation.id)
+
+    def ended(self, op_id: str) -> None:
+        """The operation is terminal (stored): its long-polls look again, its stream's listener is told."""
+        self.notify(op_id)
+        with self._lock:
+            listener = self.streams.pop(op_id, None)
+        if listener is not None:
+            listener.end()
