@@ -26,7 +26,7 @@ from sqlalchemy import text
 
 from whitney.protocol.backend import WorkerLost
 from whitney.service.cluster.calls import LeaderSide, fail_running
-from whitney.service.cluster.payloads import SampleJob, ScoreJob, decode, package_read
+from whitney.service.cluster.payloads import SampleJob, ScoreJob, decode, forget, package_read
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.scheduling.streams import SampleStream
 from whitney.service.store.database import Store
@@ -70,7 +70,7 @@ def take_over(store: Store, held_runs: set[str]) -> set[str]:
                          {"id": run_id, "error": RUN_LOST})
         reads = [package_read(decode(bytes(job))) for (job,) in conn.execute(text(
             "SELECT job FROM operation_payloads WHERE op_id = ANY(:ids)"), {"ids": ended}).all()] if ended else []
-        store._ended(conn, ended)
+        forget(conn, ended)
         fail_running(conn)
     for path in reads:  # their readers were counted by the routes that queued them, and never released
         if path is not None:

@@ -23,11 +23,11 @@ from typing import Callable
 from sqlalchemy import create_engine
 
 from whitney.errors import InvalidInput
-from whitney.service.cluster import lease
+from whitney.service.cluster import lease, payloads
 from whitney.service.cluster.calls import CALL, CallerSide, LeaderSide
 from whitney.service.cluster.dispatch import Dispatch
 from whitney.service.cluster.inbox import Inbox, next_seq_ids, run_statuses, take_over
-from whitney.service.cluster.notify import ENDED, SUBMITTED, Listener, send
+from whitney.service.cluster.notify import ENDED, SUBMITTED, Listener
 from whitney.service.scheduling.scheduler import Scheduler
 from whitney.service.store.database import Store
 
@@ -50,7 +50,7 @@ class Member:
         self.on_lost = on_lost or _exit
         self.fence = lease.Fence(self.holder)
         lease.install_fence(store.engine, self.fence, self._lost)
-        store.queued, store.ended = _store_payload, _notify_ended
+        store.queued, store.ended = payloads.store, payloads.forget
         self.caller = CallerSide(store)
         self.dispatch = Dispatch(scheduler, self.caller)
         self.inbox = Inbox(store, scheduler, self.dispatch.stream_of, LeaderSide(store, {
@@ -154,28 +154,6 @@ class Member:
         else:
             self.store.at_end.pop(payload, None)  # a route's hook here: the process that ended it ran its own
             self.dispatch.ends.ended(payload)
-
-
-def _store_payload(conn, op_id: str, payload: bytes | None) -> None:
-    """Store.queued: the job stored with its operation, and the leader told (a job-less operation: none to tell)."""
-    from sqlalchemy import insert
-
-    from whitney.service.store.tables import PayloadRow
-
-    if payload is not None:
-        conn.execute(insert(PayloadRow), {"op_id": op_id, "job": payload})
-        send(conn, SUBMITTED, op_id)
-
-
-def _notify_ended(conn, op_ids: list[str]) -> None:
-    """Store.ended: the ended operations' jobs deleted, and every member's long-polls told."""
-    from sqlalchemy import delete
-
-    from whitney.service.store.tables import PayloadRow
-
-    conn.execute(delete(PayloadRow).where(PayloadRow.op_id.in_(op_ids)))
-    for op_id in op_ids:
-        send(conn, ENDED, op_id)
 
 
 def _exit() -> None:

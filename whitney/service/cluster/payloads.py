@@ -1,5 +1,7 @@
 """A queued operation's job as bytes in the database (tables.PayloadRow), so that whichever process schedules runs
-it: the typed job a route built (scheduling/jobs.py), or a sample's or a scoring's request.
+it: the typed job a route built (scheduling/jobs.py), or a sample's or a scoring's request. Stored in the
+transaction that queues the operation and deleted in the one that ends it, each with its notification
+(`store`, `forget`: the Store's hooks in a highly available service).
 
 Pickled, and read back by an unpickler that builds only the plain types and the service's own job and protocol
 dataclasses listed here (anything else in a row is refused, not run).
@@ -11,10 +13,14 @@ import io
 import pickle
 from dataclasses import dataclass
 
+from sqlalchemy import delete, insert
+
 from whitney.protocol.backend import Failure, Weights
 from whitney.protocol.sampling import SamplingParams
 from whitney.protocol.training import AdamParams, Datum, ImageInput, TensorInput
+from whitney.service.cluster.notify import ENDED, SUBMITTED, send
 from whitney.service.scheduling.jobs import ForwardJob, Job, LoadJob, OptimJob, Refused, SaveJob
+from whitney.service.store.tables import PayloadRow
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,21 @@ def package_read(payload: Payload) -> str | None:
     if isinstance(payload, (SampleJob, ScoreJob)):
         return payload.weights.checkpoint_path
     return None
+
+
+def store(conn, op_id: str, payload: bytes | None) -> None:
+    """Store.queued: the job stored with its operation, in its transaction, and the leader told (an operation
+    without a job, done when made, tells no one)."""
+    if payload is not None:
+        conn.execute(insert(PayloadRow), {"op_id": op_id, "job": payload})
+        send(conn, SUBMITTED, op_id)
+
+
+def forget(conn, op_ids: list[str]) -> None:
+    """Store.ended: the ended operations' jobs deleted, in the transaction that ends them, and every member told."""
+    conn.execute(delete(PayloadRow).where(PayloadRow.op_id.in_(op_ids)))
+    for op_id in op_ids:
+        send(conn, ENDED, op_id)
 
 
 def encode(payload: Payload) -> bytes:
