@@ -46,6 +46,25 @@ def test_lease_passes_on_only_after_it_expires_and_a_former_holder_is_fenced(pos
     assert [s.id for s in stale.list_sessions("owner")] == [session.id]  # reads are never fenced
 
 
+def test_a_leader_call_no_leader_takes_is_withdrawn_and_one_taken_is_answered(postgres, monkeypatch):
+    from whitney.errors import Unavailable
+    from whitney.service.cluster import calls
+
+    store = Store(postgres.new_database())
+    monkeypatch.setattr(calls, "WAIT_SECONDS", 0.3)
+    caller = calls.CallerSide(store)
+    with pytest.raises(Unavailable, match="no scheduling leader"):
+        caller.call("finish_run", run_id="r").result(timeout=10)
+    leader = calls.LeaderSide(store, {"finish_run": lambda run_id: f"finished {run_id}"})
+    leader.take()  # the withdrawn call is not made
+    answered = caller.call("finish_run", run_id="r2")
+    leader.take()
+    caller.recheck()  # as after a (re)connection of the listener, which otherwise delivers its notification
+    assert answered.result(timeout=10) == "finished r2"
+    with store.engine.connect() as conn:
+        assert sorted(conn.execute(text("SELECT status FROM leader_calls")).scalars()) == ["done", "failed"]
+
+
 def test_a_stored_job_reads_back_as_it_was_and_nothing_else_is_built():
     import os
     import pickle

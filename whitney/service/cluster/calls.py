@@ -4,7 +4,8 @@ leader claims it, makes it on its scheduler, and writes the answer (a WhitneyErr
 raised again in the caller); the caller's future resolves on the answer's notification.
 
 A call still queued when the leader dies is made by the next one; one it was making fails with Unavailable
-(`fail_running`), so the caller retries rather than waits.
+(`fail_running`), so the caller retries rather than waits; one no leader takes within WAIT_SECONDS (none leads)
+is withdrawn and fails with Unavailable too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from whitney.service.store.tables import new_id
 
 log = logging.getLogger(__name__)
 CALL = "call:"  # a notification's payload that names a call, not an operation
+WAIT_SECONDS = 60.0  # how long a call waits for a leader to take it
 
 
 class CallerSide:
@@ -36,7 +38,9 @@ class CallerSide:
         self._waiting: dict[str, concurrent.futures.Future] = {}
 
     def call(self, kind: str, **args) -> concurrent.futures.Future:
-        """Queue the call for the leader; the future carries its answer (or raises its error)."""
+        """Queue the call for the leader; the future carries its answer (or raises its error). A call no leader
+        has taken within WAIT_SECONDS is withdrawn and fails with Unavailable (the client retries); one a leader is
+        making is waited for."""
         call_id, future = new_id("call"), concurrent.futures.Future()
         with self._lock:
             self._waiting[call_id] = future
@@ -45,7 +49,32 @@ class CallerSide:
                               "VALUES (:id, :kind, :args, 'queued', :now)"),
                          {"id": call_id, "kind": kind, "args": _json(args), "now": time.time()})
             send(conn, SUBMITTED, CALL + call_id)
+        self._check_later(call_id)
         return future
+
+    def _check_later(self, call_id: str) -> None:
+        timer = threading.Timer(WAIT_SECONDS, self._withdraw, (call_id,))
+        timer.daemon = True
+        timer.start()
+
+    def _withdraw(self, call_id: str) -> None:
+        """WAIT_SECONDS after the call (or its last check): withdrawn if no leader took it, else checked again."""
+        with self._lock:
+            future = self._waiting.get(call_id)
+        if future is None:
+            return
+        with self.store.engine.begin() as conn:
+            withdrawn = conn.execute(text("UPDATE leader_calls SET status = 'failed', finished_at = :now "
+                                          "WHERE id = :id AND status = 'queued'"),
+                                     {"id": call_id, "now": time.time()}).rowcount == 1
+        if not withdrawn:  # a leader is making it (or answered it: the notification resolves it)
+            self.answered(call_id)
+            self._check_later(call_id)
+            return
+        with self._lock:
+            self._waiting.pop(call_id, None)
+        future.set_exception(Unavailable(f"no scheduling leader took this request within {WAIT_SECONDS:g} s; "
+                                         "retry (GET /healthz says which process leads)"))
 
     def answered(self, call_id: str) -> None:
         """A call's answer was written (its notification): resolve its future, if it is this process's."""
@@ -55,7 +84,7 @@ class CallerSide:
             return
         with self.store.engine.connect() as conn:
             row = conn.execute(text("SELECT status, answer FROM leader_calls WHERE id = :id"), {"id": call_id}).first()
-        if row is None or row.status not in ("done", "failed"):
+        if row is None or row.status not in ("done", "failed") or row.answer is None:  # none yet, or withdrawn
             return
         with self._lock:
             self._waiting.pop(call_id, None)
