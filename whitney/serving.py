@@ -47,9 +47,11 @@ def serve(config, host: str, port: int, log_level: str) -> int:
             print(f"Whitney stopped at once ({signal.Signals(signum).name} again).", flush=True)
             os._exit(0)
         stopping.set()
+        after = ("the next leader takes over what is still queued (docs/DEPLOY.md)" if member is not None else
+                 "operations still queued then fail with server_restarted, their runs interrupted (resume from a "
+                 "checkpoint)")
         print(f"Whitney is stopping ({signal.Signals(signum).name}) once the engine call in progress ends (at most "
-              f"{STOP_SECONDS:g} s); operations still queued then fail with server_restarted, their runs interrupted "
-              "(resume from a checkpoint)", flush=True)
+              f"{STOP_SECONDS:g} s); {after}", flush=True)
         deadline = threading.Timer(STOP_SECONDS, stop_now)
         deadline.daemon = True  # a stop that ends in time does not wait for it
         deadline.start()
