@@ -46,6 +46,29 @@ def test_lease_passes_on_only_after_it_expires_and_a_former_holder_is_fenced(pos
     assert [s.id for s in stale.list_sessions("owner")] == [session.id]  # reads are never fenced
 
 
+def test_a_leader_stalled_inside_a_transaction_does_not_keep_the_lease(postgres):
+    """Stopped between a write and its commit, a leader holds the lease's row FOR SHARE (its fence check): PostgreSQL
+    ends its session after the lease's length, so another process takes the lease, and the stalled one cannot
+    commit."""
+    from sqlalchemy.exc import DBAPIError
+
+    url = postgres.new_database()
+    Store(url)
+    stalled = create_engine(url)
+    other = create_engine(url, connect_args={"options": "-c lock_timeout=5000"})  # a failure here fails, not hangs
+    lease.end_stalled_transactions(stalled, 1.0)
+    assert lease.acquire(stalled, "a", 0.5) == 1
+    conn = stalled.connect()
+    conn.execute(text("SELECT token FROM leases WHERE name = 'scheduler' FOR SHARE"))  # then it stalls
+    time.sleep(0.6)  # its lease expires meanwhile
+    started = time.monotonic()
+    assert lease.acquire(other, "b", 5.0) == 2  # it waited for the stalled session to be ended, not forever
+    assert time.monotonic() - started < 5
+    with pytest.raises(DBAPIError):
+        conn.execute(text("UPDATE leases SET holder = 'a'"))
+    conn.close()
+
+
 def test_a_leader_call_no_leader_takes_is_withdrawn_and_one_taken_is_answered(postgres, monkeypatch):
     from whitney.errors import Unavailable
     from whitney.service.cluster import calls

@@ -85,6 +85,22 @@ def holder_of(engine: Engine, name: str = SCHEDULER) -> LeaseHolder | None:
     return LeaseHolder(row[0], int(row[1]), float(row[2]), row[3])
 
 
+def end_stalled_transactions(engine: Engine, seconds: float) -> None:
+    """Have PostgreSQL end a session of `engine` that stays idle inside a transaction for `seconds` (at least 1):
+    a process stalled in one (SIGSTOP between a statement and its commit) would otherwise hold its row locks, the
+    lease's among them, and keep every other process from taking the lease. Connections made before are closed."""
+    limit = max(1000, int(seconds * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _limit(dbapi_connection, _record):
+        autocommit, dbapi_connection.autocommit = dbapi_connection.autocommit, True
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"SET idle_in_transaction_session_timeout = {limit}")
+        dbapi_connection.autocommit = autocommit
+
+    engine.dispose()
+
+
 @dataclass
 class Fence:
     """The token this process's writes must still find in the lease (None: it does not lead, and nothing is

@@ -60,6 +60,8 @@ class Member:
                                  on_connect=[self.caller.recheck, self.inbox.wake])
         # The lease's own connections: its renewals never wait behind the store's pool, and are never fenced.
         self._lease_engine = create_engine(store.engine.url, pool_size=1, max_overflow=1)
+        for engine in (store.engine, self._lease_engine):  # a stalled process must not hold the lease's row
+            lease.end_stalled_transactions(engine, lease_seconds)
         self.elected = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._campaign, name="whitney-lease", daemon=True)
