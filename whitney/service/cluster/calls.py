@@ -11,6 +11,7 @@ is withdrawn and fails with Unavailable too.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -47,7 +48,7 @@ class CallerSide:
         with self.store.engine.begin() as conn:
             conn.execute(text("INSERT INTO leader_calls (id, kind, args, status, created_at) "
                               "VALUES (:id, :kind, :args, 'queued', :now)"),
-                         {"id": call_id, "kind": kind, "args": _json(args), "now": time.time()})
+                         {"id": call_id, "kind": kind, "args": json.dumps(args), "now": time.time()})
             send(conn, SUBMITTED, CALL + call_id)
         self._check_later(call_id)
         return future
@@ -59,9 +60,7 @@ class CallerSide:
 
     def _withdraw(self, call_id: str) -> None:
         """WAIT_SECONDS after the call (or its last check): withdrawn if no leader took it, else checked again."""
-        with self._lock:
-            future = self._waiting.get(call_id)
-        if future is None:
+        if not self._awaited(call_id):
             return
         with self.store.engine.begin() as conn:
             withdrawn = conn.execute(text("UPDATE leader_calls SET status = 'failed', finished_at = :now "
@@ -71,28 +70,37 @@ class CallerSide:
             self.answered(call_id)
             self._check_later(call_id)
             return
-        with self._lock:
-            self._waiting.pop(call_id, None)
-        future.set_exception(Unavailable(f"no scheduling leader took this request within {WAIT_SECONDS:g} s; "
-                                         "retry (GET /healthz says which process leads)"))
+        self._resolve(call_id, error=Unavailable(f"no scheduling leader took this request within {WAIT_SECONDS:g} "
+                                                 "s; retry (GET /healthz says which process leads)"))
 
     def answered(self, call_id: str) -> None:
         """A call's answer was written (its notification): resolve its future, if it is this process's."""
-        with self._lock:
-            future = self._waiting.get(call_id)
-        if future is None:
+        if not self._awaited(call_id):
             return
         with self.store.engine.connect() as conn:
             row = conn.execute(text("SELECT status, answer FROM leader_calls WHERE id = :id"), {"id": call_id}).first()
         if row is None or row.status not in ("done", "failed") or row.answer is None:  # none yet, or withdrawn
             return
-        with self._lock:
-            self._waiting.pop(call_id, None)
-        answer = _loads(row.answer)
+        answer = row.answer  # a JSON column: read back as a dict
         if row.status == "done":
-            future.set_result(answer.get("value"))
+            self._resolve(call_id, value=answer.get("value"))
         else:
-            future.set_exception(_error(answer))
+            self._resolve(call_id, error=_error(answer))
+
+    def _awaited(self, call_id: str) -> bool:
+        with self._lock:
+            return call_id in self._waiting
+
+    def _resolve(self, call_id: str, value=None, error: BaseException | None = None) -> None:
+        """The call's future resolved with `value` or `error`, once (a second resolution finds it gone)."""
+        with self._lock:
+            future = self._waiting.pop(call_id, None)
+        if future is None:
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
 
     def recheck(self) -> None:
         """After the listener (re)connected: answers written meanwhile."""
@@ -116,7 +124,7 @@ class LeaderSide:
                                         "RETURNING id, kind, args")).all()
         for call_id, kind, args in claimed:
             try:
-                answer = self.handlers[kind](**_loads(args))
+                answer = self.handlers[kind](**args)
             except Exception as e:
                 self._answer(call_id, None, e)
                 continue
@@ -133,7 +141,7 @@ class LeaderSide:
         with self.store.engine.begin() as conn:
             conn.execute(text("UPDATE leader_calls SET status = :status, answer = :answer, finished_at = :now "
                               "WHERE id = :id AND status = 'running'"),
-                         {"id": call_id, "status": "done" if error is None else "failed", "answer": _json(answer),
+                         {"id": call_id, "status": "done" if error is None else "failed", "answer": json.dumps(answer),
                           "now": time.time()})
             send(conn, ENDED, CALL + call_id)
 
@@ -142,7 +150,7 @@ def fail_running(conn) -> None:
     """At a takeover: calls the former leader was making fail (Unavailable: the caller retries)."""
     rows = conn.execute(text("UPDATE leader_calls SET status = 'failed', answer = :answer, finished_at = :now "
                              "WHERE status = 'running' RETURNING id"),
-                        {"answer": _json(_error_dict(Unavailable("the scheduling leader stopped during this call; "
+                        {"answer": json.dumps(_error_dict(Unavailable("the scheduling leader stopped during this call; "
                                                                  "retry"))), "now": time.time()}).all()
     for (call_id,) in rows:
         send(conn, ENDED, CALL + call_id)
@@ -159,15 +167,3 @@ def _error(answer: dict) -> BaseException:
     if isinstance(cls, type) and issubclass(cls, WhitneyError):
         return cls(answer["message"], field=answer.get("field"))
     return RuntimeError(answer.get("message", "the leader's call failed"))
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value)
-
-
-def _loads(value):
-    import json
-
-    return json.loads(value) if isinstance(value, str) else value

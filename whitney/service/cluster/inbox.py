@@ -17,6 +17,7 @@ Every other queued operation is the new leader's to run, in seq_id order per run
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -34,8 +35,8 @@ from whitney.service.store.packages import release, release_at_end
 from whitney.service.store.records import OperationRecord, record
 
 log = logging.getLogger(__name__)
-_QUEUED_JOB = text("SELECT o.*, p.job FROM operations o JOIN operation_payloads p ON p.op_id = o.id "
-                   "WHERE o.id = :id AND o.status = 'queued'")
+_QUEUED_JOBS = text("SELECT o.*, p.job FROM operations o JOIN operation_payloads p ON p.op_id = o.id "
+                    "WHERE o.id = ANY(:ids) AND o.status = 'queued' ORDER BY o.created_at")
 
 LOST = {"code": WorkerLost.code, "category": "server",
         "message": "the scheduling leader running this operation stopped before storing its result"}
@@ -59,15 +60,14 @@ def take_over(store: Store, held_runs: set[str]) -> set[str]:
                 "SELECT id FROM operations WHERE status = 'queued' AND run_id = ANY(:runs)"),
                 {"runs": list(lost_runs)}).all()]
         ended = sorted(set(ended))
-        for op_id in ended:
-            conn.execute(text("UPDATE operations SET status = 'failed', error = :error, finished_at = :now "
-                              "WHERE id = :id AND status IN ('queued', 'running')"),
-                         {"id": op_id, "error": _json(LOST), "now": now})
-        for run_id in lost_runs:  # a run being cancelled is cancelled: what it held went with the former leader
-            conn.execute(text("UPDATE runs SET status = CASE WHEN status = 'cancelling' THEN 'cancelled' ELSE "
-                              "'interrupted' END, error = CASE WHEN status = 'cancelling' THEN error ELSE :error END "
-                              "WHERE id = :id AND status IN ('active', 'finishing', 'cancelling')"),
-                         {"id": run_id, "error": RUN_LOST})
+        conn.execute(text("UPDATE operations SET status = 'failed', error = :error, finished_at = :now "
+                          "WHERE id = ANY(:ids) AND status IN ('queued', 'running')"),
+                     {"ids": ended, "error": json.dumps(LOST), "now": now})
+        # A run being cancelled is cancelled: what it held went with the former leader.
+        conn.execute(text("UPDATE runs SET status = CASE WHEN status = 'cancelling' THEN 'cancelled' ELSE "
+                          "'interrupted' END, error = CASE WHEN status = 'cancelling' THEN error ELSE :error END "
+                          "WHERE id = ANY(:ids) AND status IN ('active', 'finishing', 'cancelling')"),
+                     {"ids": list(lost_runs), "error": RUN_LOST})
         reads = [package_read(decode(bytes(job))) for (job,) in conn.execute(text(
             "SELECT job FROM operation_payloads WHERE op_id = ANY(:ids)"), {"ids": ended}).all()] if ended else []
         forget(conn, ended)
@@ -121,7 +121,7 @@ class Inbox:
         self._stop.set()
         self._wake.set()
 
-    def wake(self, _payload: str = "") -> None:
+    def wake(self) -> None:
         self._wake.set()
 
     def _run(self) -> None:
@@ -143,10 +143,8 @@ class Inbox:
                 "SELECT o.id FROM operations o JOIN operation_payloads p ON p.op_id = o.id "
                 "WHERE o.status = 'queued' ORDER BY o.created_at"))]
             new = [op_id for op_id in queued if op_id not in self._known]
-            rows = [conn.execute(_QUEUED_JOB, {"id": op_id}).first() for op_id in new]
+            rows = conn.execute(_QUEUED_JOBS, {"ids": new}).all() if new else []  # still queued, oldest first
         for row in rows:
-            if row is None:  # it ended meanwhile
-                continue
             job = decode(bytes(row.job))
             operation = record(OperationRecord, row)
             if (path := package_read(job)) is not None:  # the route counted its reader; released as it ends here
@@ -160,9 +158,3 @@ class Inbox:
             else:
                 self.scheduler.submit(operation, job)
         self._known = set(queued)
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value)

@@ -10,6 +10,8 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from starlette.concurrency import run_in_threadpool
 
 from whitney.protocol.backend import ModelInfo
+from whitney.protocol.training import ForwardRequest
+from whitney.service.cluster.payloads import encode
 from whitney.service.http.routing import OffLoopJSONRoute
 from whitney.service.http.metrics import Metrics
 from whitney.service.scheduling.limits import Limits
@@ -55,18 +57,12 @@ class ServiceState:
     def payload(self, job) -> bytes | None:
         """What to store with a queued operation: its job where several processes share the database (whichever
         leads runs it), else nothing (this process's scheduler is handed the job itself)."""
-        if self.member is None:
-            return None
-        from whitney.service.cluster.payloads import encode
+        return None if self.member is None else encode(job)
 
-        return encode(job)
-
-    def forward_check(self, run_id: str, data: list, loss_fn: str, config: dict):
+    def forward_check(self, run_id: str, data: list, loss_fn: str, config: dict) -> ForwardRequest:
         """The ForwardRequest Backend.validate checks for a run's forward: the run's own; on a member of a highly
         available service, whose engine holds no run (the leader's does), the same datums on the run's base model
         (all validation reads of a run)."""
-        from whitney.protocol.training import ForwardRequest
-
         if self.member is None:
             return ForwardRequest(run_id, data, loss_fn, config)
         return ForwardRequest(run_id, data, loss_fn, config, base_model=self.store.get_run(run_id).base_model)
